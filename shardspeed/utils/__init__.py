@@ -1,0 +1,1 @@
+"""Utilities: logging, timers, loaders."""
