@@ -93,7 +93,11 @@ class DistributedPool:
         self._collect("start", timeout_s)
 
     def run(
-        self, fn: Callable[..., Any], *args: Any, timeout_s: float = DEFAULT_TIMEOUT_S, **kwargs: Any
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        **kwargs: Any,
     ) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order."""
         if not self.alive:
@@ -124,7 +128,10 @@ class DistributedPool:
                 try:
                     status, value = conn.recv()
                 except EOFError:
-                    status, value = "error", f"rank {rank} died (exit code {self._procs[rank].exitcode})"
+                    status, value = (
+                        "error",
+                        f"rank {rank} died (exit code {self._procs[rank].exitcode})",
+                    )
                 if status == "error":
                     errors[rank] = value
                     # a peer of a failed rank may wait forever in a collective: give it a moment

@@ -1,1 +1,1 @@
-"""fp16."""
+"""fp16 support at DeepSpeed's path; the mechanisms live in ``shardspeed.runtime.precision``."""

@@ -1,0 +1,199 @@
+"""Training step time and per-rank peak memory: shardspeed vs torch DDP, same model, same run.
+
+    python benchmarks/bench_train.py                       # 2 CPU ranks, fp32, ~17M-param GPT
+    python benchmarks/bench_train.py --stages 0 --n_layer 8 --n_embd 768
+
+Each mode runs in fresh rank processes (so each has its own peak RSS), modes alternate over
+``--rounds`` rounds, and the median step time of every mode is reported. Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from examples.gpt_model import GPT, GPTConfig  # noqa: E402
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def _build(args: argparse.Namespace) -> tuple[GPT, GPTConfig]:
+    cfg = GPTConfig(
+        vocab_size=args.vocab,
+        block_size=args.seq,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        n_embd=args.n_embd,
+    )
+    torch.manual_seed(0)
+    return GPT(cfg), cfg
+
+
+def _batches(
+    cfg: GPTConfig, micro: int, count: int, rank: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(100 + rank)
+    out = []
+    for _ in range(count):
+        tokens = torch.randint(cfg.vocab_size, (micro, cfg.block_size + 1), generator=gen)
+        out.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
+    return out
+
+
+def _ds_config(args: argparse.Namespace, stage: int) -> dict[str, Any]:
+    return {
+        "train_micro_batch_size_per_gpu": args.micro,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": stage},
+    }
+
+
+def _rank_main(
+    rank: int, world: int, port: int, mode: str, args: argparse.Namespace, queue: Any
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
+    torch.set_num_threads(args.threads)
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(rank)
+    device = torch.device(f"cuda:{rank}" if cuda else "cpu")
+    dist.init_process_group("nccl" if cuda else "gloo")
+    model, cfg = _build(args)
+    params = sum(p.numel() for p in model.parameters())
+    batches = _batches(cfg, args.micro, args.warmup + args.steps, rank)
+    base_rss = _peak_rss_mb()
+    if mode == "ddp":
+        model = model.to(device)
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+
+        def step(tokens: torch.Tensor, targets: torch.Tensor) -> None:
+            loss = ddp(tokens, targets)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+    else:
+        import shardspeed
+
+        engine, *_ = shardspeed.initialize(model=model, config=_ds_config(args, int(mode[-1])))
+
+        def step(tokens: torch.Tensor, targets: torch.Tensor) -> None:
+            loss = engine(tokens, targets)
+            engine.backward(loss)
+            engine.step()
+
+    times = []
+    for i, (tokens, targets) in enumerate(batches):
+        tokens, targets = tokens.to(device), targets.to(device)
+        if cuda:
+            torch.cuda.synchronize()
+        dist.barrier()
+        start = time.perf_counter()
+        step(tokens, targets)
+        if cuda:
+            torch.cuda.synchronize()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - start)
+    result = {
+        "rank": rank,
+        "params": params,
+        "step_s": statistics.median(times),
+        "peak_rss_mb": _peak_rss_mb(),
+        "rss_before_model_mb": base_rss,
+        "peak_device_mb": torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
+    }
+    queue.put(result)
+    dist.destroy_process_group()
+
+
+def _run_mode(mode: str, args: argparse.Namespace, port: int) -> list[dict[str, Any]]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, args.world, port, mode, args, queue))
+        for r in range(args.world)
+    ]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=1800) for _ in procs]
+    for p in procs:
+        p.join()
+        if p.exitcode != 0:
+            raise RuntimeError(f"{mode}: a rank exited with {p.exitcode}")
+    return sorted(results, key=lambda r: r["rank"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--stages", type=str, default="0", help="comma-separated ZeRO stages")
+    ap.add_argument("--n_layer", type=int, default=4)
+    ap.add_argument("--n_embd", type=int, default=512)
+    ap.add_argument("--n_head", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--micro", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2))
+    args = ap.parse_args()
+
+    modes = ["ddp", *[f"shardspeed_stage{s}" for s in args.stages.split(",")]]
+    runs: dict[str, list[list[dict[str, Any]]]] = {m: [] for m in modes}
+    port = 29600
+    for round_index in range(args.rounds):
+        order = modes if round_index % 2 == 0 else list(reversed(modes))
+        for mode in order:
+            port += 1
+            runs[mode].append(_run_mode(mode, args, port))
+
+    summary: dict[str, Any] = {
+        "benchmark": "train_step",
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "world": args.world,
+        "dtype": "fp32",
+        "params": runs["ddp"][0][0]["params"],
+        "micro_batch": args.micro,
+        "seq": args.seq,
+    }
+    for mode, rounds in runs.items():
+        summary[mode] = {
+            "step_s": statistics.median(max(r["step_s"] for r in ranks) for ranks in rounds),
+            "peak_rss_mb_per_rank": [
+                round(max(rnd[i]["peak_rss_mb"] for rnd in rounds), 1) for i in range(args.world)
+            ],
+            "peak_device_mb_per_rank": [rounds[-1][i]["peak_device_mb"] for i in range(args.world)],
+        }
+    for mode in modes[1:]:
+        summary[f"{mode}_vs_ddp_step_time"] = round(
+            summary[mode]["step_s"] / summary["ddp"]["step_s"], 3
+        )
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""Train a small GPT on synthetic tokens with shardspeed, exactly as one would with DeepSpeed.
+
+shardspeed --num_gpus 2 examples/train_gpt.py --deepspeed_config examples/gpt_config.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpt_model import GPT, GPTConfig, synthetic_tokens  # noqa: E402
+
+import shardspeed as deepspeed  # noqa: E402 - the one-line switch from DeepSpeed
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=60, help="optimizer steps to run")
+    parser.add_argument("--n_layer", type=int, default=2)
+    parser.add_argument("--n_embd", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--local_rank", type=int, default=-1, help="set by the launcher")
+    deepspeed.add_config_arguments(parser)
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    torch.manual_seed(args.seed)
+    cfg = GPTConfig(n_layer=args.n_layer, n_embd=args.n_embd)
+    model = GPT(cfg)
+    engine, _, loader, _ = deepspeed.initialize(
+        args=args,
+        model=model,
+        model_parameters=model.parameters(),
+        training_data=synthetic_tokens(4096, cfg, seed=args.seed),
+    )
+    batches = deepspeed.utils.RepeatingLoader(loader)
+    rank = deepspeed.comm.get_rank()
+    first_loss = last_loss = float("nan")
+    for step in range(1, args.steps + 1):
+        for _ in range(engine.gradient_accumulation_steps()):
+            tokens, targets = (t.to(engine.device) for t in next(batches))
+            loss = engine(tokens, targets)
+            engine.backward(loss)
+            engine.step()
+        last_loss = loss.item()
+        if step == 1:
+            first_loss = last_loss
+        if rank == 0 and (step % 10 == 0 or step == 1):
+            print(f"step {step:4d}  loss {last_loss:.4f}  lr {engine.get_lr()[0]:.2e}", flush=True)
+    if rank == 0:
+        print(f"done: {args.steps} steps, loss {first_loss:.4f} -> {last_loss:.4f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

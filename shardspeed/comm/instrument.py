@@ -1,0 +1,103 @@
+"""The one path every collective takes: count its bytes, and time it when logging asks.
+
+Counting is always on and costs a dict update. Timing syncs the device before and after the op,
+and waits on an async op's handle, so a profiled async op is effectively synchronous: profiling
+is for diagnosis, and an unwaited launch time would say nothing about the transfer.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardspeed.accelerator import get_accelerator
+from shardspeed.comm.logger import comms_logger
+from shardspeed.comm.volume import record_volume
+
+
+def nbytes(tensor: torch.Tensor) -> int:
+    """Bytes of ``tensor``'s elements."""
+    return tensor.numel() * tensor.element_size()
+
+
+def total_nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of all ``tensors`` together."""
+    return sum(nbytes(t) for t in tensors)
+
+
+def group_size(group: Any) -> int:
+    """Ranks in ``group`` (None = world); 0 when this rank is not a member, so nothing counts."""
+    if group is None:
+        return dist.get_world_size()
+    if dist.get_rank(group) < 0:
+        return 0
+    return dist.get_world_size(group)
+
+
+def _caller_name() -> str:
+    # frame 0 is here, 1 run_op, 2 the shardspeed.comm function, 3 its caller
+    frame = sys._getframe(3)
+    return frame.f_code.co_name
+
+
+def run_op(
+    op: str,
+    call: Callable[[], Any],
+    *,
+    msg_bytes: int,
+    group: Any = None,
+    async_op: bool = False,
+    log_name: str | None = None,
+    prof: bool = False,
+    debug: str | None = None,
+) -> Any:
+    """Run ``call`` (the torch.distributed collective) and account for it as ``op``."""
+    size = group_size(group)
+    if size > 0:
+        record_volume(op, msg_bytes, size)
+    logger = comms_logger()
+    name = log_name or op
+    if size <= 0 or not logger.should_profile(op, name, prof):
+        return call()
+    accelerator = get_accelerator()
+    accelerator.synchronize()
+    start = time.perf_counter()
+    result = call()
+    if async_op and result is not None:
+        result.wait()
+    accelerator.synchronize()
+    latency_ms = (time.perf_counter() - start) * 1e3
+    if logger.debug:
+        name = f"{name} | [Caller Func: {debug or _caller_name()}]"
+    logger.append(op, name, latency_ms, msg_bytes, size)
+    return result
+
+
+class DeferredWork:
+    """A work handle that runs ``on_complete`` once the underlying op is done.
+
+    Coalesced ops communicate one flat buffer and then copy results back into the caller's
+    tensors; with ``async_op`` that copy must wait until the caller waits on the handle.
+    """
+
+    def __init__(self, work: Any, on_complete: Callable[[], None]) -> None:
+        self._work = work
+        self._on_complete: Callable[[], None] | None = on_complete
+
+    def wait(self, timeout: Any = None) -> bool:
+        """Wait for the op, then finish the copy-back (once)."""
+        if self._work is not None:
+            self._work.wait() if timeout is None else self._work.wait(timeout)
+        if self._on_complete is not None:
+            finish, self._on_complete = self._on_complete, None
+            finish()
+        return True
+
+    def is_completed(self) -> bool:
+        """True once :meth:`wait` has run the copy-back."""
+        return self._on_complete is None

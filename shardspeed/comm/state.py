@@ -1,0 +1,292 @@
+"""Process-group setup and the rank queries.
+
+:func:`init_distributed` turns whatever launched this process (torchrun, MPI, Slurm, or nothing
+at all) into an initialized default process group; see :mod:`shardspeed.comm.discovery`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from shardspeed.accelerator import get_accelerator
+from shardspeed.comm.cloud_env import (
+    in_aml,
+    in_aws_sm,
+    in_dlts,
+    patch_aml_env_for_torch_nccl_backend,
+    patch_aws_sm_env_for_torch_nccl_backend,
+)
+from shardspeed.comm.discovery import (
+    TORCH_DISTRIBUTED_DEFAULT_PORT,
+    RankInfo,
+    discover,
+    rank_info_env,
+)
+from shardspeed.comm.logger import configure
+from shardspeed.utils.logging import logger, set_rank_provider
+
+default_pg_timeout = timedelta(minutes=30)
+TIMEOUT_ENV_VARS: tuple[str, ...] = ("SHARDSPEED_TIMEOUT", "DEEPSPEED_TIMEOUT")
+SUPPORTED_BACKENDS: tuple[str, ...] = ("nccl", "gloo", "mpi", "ccl", "xccl", "hccl")
+
+# backend chosen with set_backend() before init_distributed(); None = the accelerator's
+_preferred_backend: str | None = None
+
+
+def is_available() -> bool:
+    """Whether this torch build has torch.distributed."""
+    return dist.is_available()
+
+
+def is_initialized() -> bool:
+    """Whether the default process group exists (made by shardspeed or by anyone else)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def set_backend(backend: str | None = None) -> None:
+    """Choose the torch.distributed backend the next :func:`init_distributed` uses."""
+    global _preferred_backend
+    if backend is not None and backend not in SUPPORTED_BACKENDS:
+        raise ValueError(f"backend {backend!r} is not one of {', '.join(SUPPORTED_BACKENDS)}")
+    _preferred_backend = backend
+
+
+def _timeout(timeout: timedelta) -> timedelta:
+    if timeout is not default_pg_timeout:
+        return timeout
+    for var in TIMEOUT_ENV_VARS:
+        value = os.environ.get(var, "").strip()
+        if value:
+            try:
+                return timedelta(minutes=float(value))
+            except ValueError:
+                raise ValueError(f"{var}={value!r} must be a number of minutes") from None
+    return timeout
+
+
+def _configure_logging(config: Any) -> None:
+    # the whole DeepSpeed config may be passed; only its comms_logger section matters here
+    if isinstance(config, Mapping):
+        if "comms_logger" in config:
+            configure(config["comms_logger"])
+    elif hasattr(config, "comms_logger") or hasattr(config, "comms_config"):
+        configure(config)
+
+
+def _mpi_master_addr() -> str:
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise ValueError(
+            "multi-node MPI launch without MASTER_ADDR: export MASTER_ADDR=<rank 0's host> "
+            "(e.g. mpirun -x MASTER_ADDR=...) or install mpi4py so rank 0's address can be shared"
+        ) from None
+    comm = MPI.COMM_WORLD
+    addr = socket.gethostbyname(socket.gethostname()) if comm.Get_rank() == 0 else None
+    return str(comm.bcast(addr, root=0))
+
+
+def _patch_cloud_env() -> None:
+    if os.environ.get("RANK") and os.environ.get("WORLD_SIZE"):
+        return
+    if in_aml() and not in_dlts():
+        patch_aml_env_for_torch_nccl_backend()
+    elif in_aws_sm():
+        patch_aws_sm_env_for_torch_nccl_backend()
+
+
+def mpi_discovery(
+    distributed_port: int = TORCH_DISTRIBUTED_DEFAULT_PORT, verbose: bool = True
+) -> RankInfo:
+    """Read rank and size from the MPI launcher's environment and export torch's variables."""
+    source, info = discover(os.environ, distributed_port=distributed_port)
+    if info.master_addr is None:
+        info = info._replace(master_addr=_mpi_master_addr())
+    os.environ.update(rank_info_env(info))
+    if verbose:
+        logger.info(
+            f"Discovered {source} environment: rank={info.rank} local_rank={info.local_rank} "
+            f"world_size={info.world_size} master={info.master_addr}:{info.master_port}"
+        )
+    return info
+
+
+def _on_initialized() -> None:
+    set_rank_provider(get_rank)
+
+
+def init_distributed(
+    dist_backend: str | None = None,
+    auto_mpi_discovery: bool = True,
+    distributed_port: int = TORCH_DISTRIBUTED_DEFAULT_PORT,
+    verbose: bool = True,
+    timeout: timedelta = default_pg_timeout,
+    init_method: str | None = None,
+    dist_init_required: bool | None = None,
+    config: Any = None,
+    rank: int = -1,
+    world_size: int = -1,
+) -> None:
+    """Create the default process group unless one exists.
+
+    Rank information comes from, in order: ``rank`` / ``world_size``, the torchrun-style
+    environment, OpenMPI, MVAPICH, MPICH/Intel MPI, Slurm, else a one-process world; the result
+    is exported as ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``.
+    The backend defaults to the accelerator's (gloo on CPU, nccl on CUDA). ``timeout`` defaults
+    to ``SHARDSPEED_TIMEOUT`` / ``DEEPSPEED_TIMEOUT`` minutes when set, else 30 minutes.
+    ``config`` (a DeepSpeed config dict or object) configures comms logging.
+    """
+    if config is not None:
+        _configure_logging(config)
+    if is_initialized():
+        # someone (this function earlier, the user, a test harness) already made the group
+        _on_initialized()
+        return
+    if dist_init_required is False:
+        raise ValueError(
+            "dist_init_required=False but no process group exists; call "
+            "torch.distributed.init_process_group() first or pass dist_init_required=None"
+        )
+    backend = dist_backend or _preferred_backend or get_accelerator().communication_backend_name()
+    if auto_mpi_discovery:
+        _patch_cloud_env()
+    source, info = discover(
+        os.environ,
+        rank=rank,
+        world_size=world_size,
+        distributed_port=distributed_port,
+        auto_mpi_discovery=auto_mpi_discovery,
+    )
+    if info.master_addr is None and init_method is None:
+        info = info._replace(master_addr=_mpi_master_addr())
+    os.environ.update(rank_info_env(info))
+    accelerator = get_accelerator()
+    if accelerator.device_name() == "cuda":
+        # NCCL binds a communicator to the current device, so pick this rank's GPU first
+        accelerator.set_device(info.local_rank % max(accelerator.device_count(), 1))
+    else:
+        # host devices only record the slot; MPI launches learn their local rank just now
+        accelerator.set_device(info.local_rank)
+    if verbose and info.rank == 0:
+        logger.info(
+            f"Initializing torch.distributed: backend={backend} world_size={info.world_size} "
+            f"(from {source}) master={info.master_addr}:{info.master_port}"
+        )
+    dist.init_process_group(
+        backend=backend,
+        init_method=init_method,
+        timeout=_timeout(timeout),
+        rank=info.rank,
+        world_size=info.world_size,
+    )
+    _on_initialized()
+
+
+def destroy_process_group(group: Any = None) -> None:
+    """Destroy ``group``, or every group when None (after which ranks come from the env again)."""
+    dist.destroy_process_group(group)
+    if group is None:
+        set_rank_provider(None)
+
+
+def new_group(
+    ranks: list[int], timeout: timedelta | None = None, backend: str | None = None
+) -> Any:
+    """A process group of global ``ranks``. Every rank of the world must make the same calls in
+    the same order, members or not (torch's rule); non-members get a non-member handle."""
+    return dist.new_group(ranks=ranks, timeout=timeout, backend=backend)
+
+
+def _require_initialized(what: str) -> None:
+    if not is_initialized():
+        raise RuntimeError(
+            f"shardspeed.comm.{what}() needs a process group; call "
+            "shardspeed.comm.init_distributed() (or shardspeed.initialize) first"
+        )
+
+
+def get_rank(group: Any = None) -> int:
+    """This process's rank in ``group`` (global rank when None); -1 when not a member."""
+    _require_initialized("get_rank")
+    return dist.get_rank(group)
+
+
+def get_world_size(group: Any = None) -> int:
+    """Number of ranks in ``group`` (the world when None)."""
+    _require_initialized("get_world_size")
+    return dist.get_world_size(group)
+
+
+def get_local_rank() -> int:
+    """This process's rank on its node, as the launcher (or init_distributed) exported it."""
+    for var in ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"):
+        value = os.environ.get(var, "").strip()
+        if value:
+            return int(value)
+    return 0
+
+
+def get_global_rank(group: Any = None, group_rank: int = 0) -> int:
+    """The global rank of ``group``'s member number ``group_rank``."""
+    _require_initialized("get_global_rank")
+    if group is None or group is dist.group.WORLD:
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
+
+
+def get_all_ranks_from_group(group: Any = None) -> list[int]:
+    """Global ranks of ``group``'s members, in group-rank order."""
+    _require_initialized("get_all_ranks_from_group")
+    return list(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+
+
+def get_world_group() -> Any:
+    """The default (world) process group."""
+    _require_initialized("get_world_group")
+    return dist.group.WORLD
+
+
+def initialize_mesh_device(mesh_shape: tuple[int, ...], mesh_dim_names: tuple[str, ...]) -> Any:
+    """A torch ``DeviceMesh`` of ``mesh_shape`` on the accelerator's device type."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(
+        get_accelerator().device_name(), mesh_shape, mesh_dim_names=mesh_dim_names
+    )
+
+
+def enable_symm_mem_for_group(group_name: str) -> None:
+    """Enable symmetric memory for a group on CUDA; no-op elsewhere (CPU has no such memory)."""
+    if get_accelerator().device_name() != "cuda":
+        return
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group as enable
+
+    enable(group_name)  # type: ignore[arg-type]  # torch's GroupName is a NewType of str
+
+
+def has_all_gather_into_tensor() -> bool:
+    """True: every supported torch has ``all_gather_into_tensor``."""
+    return hasattr(dist, "all_gather_into_tensor")
+
+
+def has_reduce_scatter_tensor() -> bool:
+    """True: every supported torch has ``reduce_scatter_tensor``."""
+    return hasattr(dist, "reduce_scatter_tensor")
+
+
+def has_all_reduce_coalesced() -> bool:
+    """True: :func:`shardspeed.comm.all_reduce_coalesced` works on every backend (flat buffer)."""
+    return True
+
+
+def has_coalescing_manager() -> bool:
+    """Whether torch offers its (private) coalescing manager."""
+    from torch.distributed import distributed_c10d
+
+    return hasattr(distributed_c10d, "_coalescing_manager")

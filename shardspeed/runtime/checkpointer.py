@@ -1,0 +1,133 @@
+"""Saving and loading engine state in DeepSpeed's directory layout.
+
+``save_dir/tag/mp_rank_00_model_states.pt`` holds the module weights, the optimizer wrapper's
+state (loss scaler, fp32 masters, torch optimizer state), the LR scheduler, the step counters and
+the client state; ``save_dir/latest`` names the newest tag. Files are written to a temporary name
+and renamed, so an interrupted save never leaves a truncated checkpoint behind.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from shardspeed import comm
+from shardspeed.utils.logging import log_dist
+from shardspeed.version import __version__
+
+if TYPE_CHECKING:
+    from shardspeed.runtime.engine import DeepSpeedEngine
+
+LATEST_FILE = "latest"
+MODEL_STATES = "mp_rank_00_model_states.pt"
+_COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
+
+
+def _atomic_save(obj: Any, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def save(
+    engine: DeepSpeedEngine,
+    save_dir: str,
+    tag: str | None,
+    client_state: dict[str, Any],
+    save_latest: bool,
+    exclude_frozen_parameters: bool,
+) -> bool:
+    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+    if "/" in tag or tag in ("", ".", ".."):
+        raise ValueError(f"checkpoint tag {tag!r} must be a plain directory name")
+    folder = Path(save_dir) / tag
+    if engine.global_rank == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+        state: dict[str, Any] = {
+            "module": engine.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters),
+            "optimizer": engine.optimizer.state_dict() if engine.optimizer is not None else None,
+            "lr_scheduler": engine.lr_scheduler.state_dict()
+            if engine.lr_scheduler is not None
+            else None,
+            "dp_world_size": engine.dp_world_size,
+            "zero_stage": engine.zero_optimization_stage(),
+            "ds_config": engine.config.raw,
+            "ds_version": __version__,
+            **{name: getattr(engine, name) for name in _COUNTERS},
+            **client_state,
+        }
+        _atomic_save(state, folder / MODEL_STATES)
+        if save_latest:
+            (Path(save_dir) / LATEST_FILE).write_text(tag)
+    if comm.get_world_size() > 1:
+        comm.barrier()
+    log_dist(f"saved checkpoint {folder}", ranks=[0])
+    return True
+
+
+def resolve_tag(load_dir: str, tag: str | None) -> str | None:
+    """The tag to load: the one given, else the one named in ``latest`` (None if absent)."""
+    if tag is not None:
+        return str(tag)
+    latest = Path(load_dir) / LATEST_FILE
+    return latest.read_text().strip() if latest.is_file() else None
+
+
+def load(
+    engine: DeepSpeedEngine,
+    load_dir: str,
+    tag: str | None,
+    *,
+    load_module_strict: bool,
+    load_optimizer_states: bool,
+    load_lr_scheduler_states: bool,
+    custom_load_fn: Any,
+) -> tuple[str | None, dict[str, Any] | None]:
+    tag = resolve_tag(load_dir, tag)
+    if tag is None:
+        log_dist(f"no 'latest' file in {load_dir} and no tag given: nothing loaded", ranks=[0])
+        return None, None
+    path = Path(load_dir) / tag / MODEL_STATES
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"checkpoint file {path} does not exist; check load_dir and tag (tags present: "
+            f"{sorted(p.name for p in Path(load_dir).iterdir() if p.is_dir()) if Path(load_dir).is_dir() else 'none'})"
+        )
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    engine.load_module_state_dict(state, strict=load_module_strict, custom_load_fn=custom_load_fn)
+    if load_optimizer_states and engine.optimizer is not None and state.get("optimizer"):
+        engine.optimizer.load_state_dict(state["optimizer"])
+    if load_lr_scheduler_states and engine.lr_scheduler is not None and state.get("lr_scheduler"):
+        engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+    for name in _COUNTERS:
+        if name in state:
+            setattr(engine, name, state[name])
+    reserved = {
+        "module",
+        "optimizer",
+        "lr_scheduler",
+        "dp_world_size",
+        "zero_stage",
+        "ds_config",
+        "ds_version",
+        *_COUNTERS,
+    }
+    client_state = {k: v for k, v in state.items() if k not in reserved}
+    return str(path), client_state
+
+
+def save_module_weights(
+    engine: DeepSpeedEngine, save_dir: str, save_filename: str, exclude_frozen_parameters: bool
+) -> bool:
+    if engine.global_rank == 0:
+        Path(save_dir).mkdir(parents=True, exist_ok=True)
+        weights = engine.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
+        _atomic_save(
+            {k: v.detach().cpu() for k, v in weights.items()}, Path(save_dir) / save_filename
+        )
+    if comm.get_world_size() > 1:
+        comm.barrier()
+    return True

@@ -1,0 +1,76 @@
+"""Data loading for data-parallel training: each rank reads its own shard of every epoch."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data.distributed import DistributedSampler
+
+from shardspeed.utils.loaders import RepeatingLoader
+
+__all__ = ["DeepSpeedDataLoader", "RepeatingLoader"]
+
+
+class DeepSpeedDataLoader:
+    """An iterator over micro-batches of this rank's shard (``DistributedSampler`` by default).
+
+    Iterating it again starts a new epoch with a new shuffle (``set_epoch`` is advanced for you).
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        batch_size: int,
+        pin_memory: bool,
+        local_rank: int,
+        tput_timer: Any = None,
+        collate_fn: Callable[..., Any] | None = None,
+        num_local_io_workers: int | None = None,
+        data_sampler: Sampler | None = None,
+        data_parallel_world_size: int | None = None,
+        data_parallel_rank: int | None = None,
+        dataloader_drop_last: bool = False,
+        deepspeed_dataloader_config: dict[str, Any] | None = None,
+    ) -> None:
+        del local_rank, deepspeed_dataloader_config  # kept for DeepSpeed's signature
+        self.tput_timer = tput_timer
+        self.batch_size = batch_size
+        world = data_parallel_world_size or 1
+        rank = data_parallel_rank or 0
+        if data_sampler is None:
+            data_sampler = DistributedSampler(
+                dataset, num_replicas=world, rank=rank, shuffle=True, drop_last=dataloader_drop_last
+            )
+        self.data_sampler = data_sampler
+        self.dataloader = DataLoader(
+            dataset,
+            batch_size=batch_size,
+            sampler=data_sampler,
+            collate_fn=collate_fn,
+            num_workers=num_local_io_workers or 0,
+            pin_memory=pin_memory and torch.cuda.is_available(),
+            drop_last=dataloader_drop_last,
+        )
+        self.epoch = 0
+        self._iter: Iterator[Any] | None = None
+
+    def __len__(self) -> int:
+        return len(self.dataloader)
+
+    def __iter__(self) -> DeepSpeedDataLoader:
+        if isinstance(self.data_sampler, DistributedSampler):
+            self.data_sampler.set_epoch(self.epoch)
+        self.epoch += 1
+        self._iter = iter(self.dataloader)
+        return self
+
+    def __next__(self) -> Any:
+        if self._iter is None:
+            iter(self)
+        assert self._iter is not None
+        if self.tput_timer is not None:
+            self.tput_timer.start()
+        return next(self._iter)

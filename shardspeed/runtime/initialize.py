@@ -1,0 +1,91 @@
+"""``shardspeed.initialize``: read the config once, set up communication, build the engine."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from shardspeed import comm
+from shardspeed.config import DeepSpeedConfig, DeepSpeedConfigError
+from shardspeed.runtime.engine import DeepSpeedEngine
+from shardspeed.utils.logging import log_dist, warning_once
+from shardspeed.version import __git_branch__, __git_hash__, __version__
+
+TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
+
+
+def _config_source(args: Any, config: Any, config_params: Any) -> Any:
+    """The one config the user meant, from ``config``, ``config_params`` or ``args``."""
+    from_args = getattr(args, "deepspeed_config", None) if args is not None else None
+    legacy = getattr(args, "deepscale_config", None) if args is not None else None
+    if legacy is not None:
+        warning_once("--deepscale_config is deprecated; use --deepspeed_config")
+        from_args = from_args or legacy
+    given = {
+        "args.deepspeed_config": from_args,
+        "config": config,
+        "config_params": config_params,
+    }
+    present = [name for name, value in given.items() if value is not None]
+    if not present:
+        raise DeepSpeedConfigError(
+            "no DeepSpeed config given: pass config= (a dict or a JSON/HJSON path), "
+            "config_params=, or args with --deepspeed_config"
+        )
+    if len(present) > 1:
+        raise DeepSpeedConfigError(
+            f"the DeepSpeed config was given twice ({' and '.join(present)}); pass only one"
+        )
+    return given[present[0]]
+
+
+def initialize(
+    args: Any = None,
+    model: nn.Module | None = None,
+    optimizer: Any = None,
+    model_parameters: Any = None,
+    training_data: Any = None,
+    lr_scheduler: Any = None,
+    distributed_port: int = TORCH_DISTRIBUTED_DEFAULT_PORT,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
+    collate_fn: Any = None,
+    config: Any = None,
+    mesh_param: Any = None,
+    config_params: Any = None,
+) -> tuple[DeepSpeedEngine, Any, Any, Any]:
+    """Wrap ``model`` for training. Returns ``(engine, optimizer, training_dataloader,
+    lr_scheduler)``; the last three are None when not configured."""
+    log_dist(
+        f"shardspeed info: version={__version__}, git-hash={__git_hash__}, "
+        f"git-branch={__git_branch__}",
+        ranks=[0],
+    )
+    if isinstance(args, nn.Module) and model is None:
+        raise TypeError(
+            "initialize() got a model as its first positional argument, which is `args`; "
+            "call initialize(model=model, ...) with keywords"
+        )
+    if model is None:
+        raise ValueError("initialize() needs model=<your torch.nn.Module>")
+    if mesh_param is not None:
+        raise NotImplementedError(
+            "initialize(mesh_param=...) (sequence-parallel meshes) is not supported yet"
+        )
+    source = _config_source(args, config, config_params)
+    comm.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
+    dp_world_size = mpu.get_data_parallel_world_size() if mpu is not None else comm.get_world_size()
+    ds_config = DeepSpeedConfig(source, mpu=mpu, dp_world_size=dp_world_size)
+    engine = DeepSpeedEngine(
+        args=args,
+        model=model,
+        optimizer=optimizer,
+        model_parameters=model_parameters,
+        training_data=training_data,
+        lr_scheduler=lr_scheduler,
+        mpu=mpu,
+        collate_fn=collate_fn,
+        config_class=ds_config,
+    )
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

@@ -1,0 +1,137 @@
+"""ZeRO stage 0: plain data parallelism.
+
+Every rank holds the full model, gradients and optimizer state. Gradients are averaged with a
+bucketed all-reduce that overlaps backward: each bucket is reduced in place as soon as its last
+gradient is accumulated, at the gradient-accumulation boundary only (earlier micro-batches just
+accumulate locally, so communication is one all-reduce of the gradients per optimizer step).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardspeed import comm
+from shardspeed.runtime.precision.loss_scaler import has_inf_or_nan
+from shardspeed.runtime.precision.master_weights import MasterWeights
+from shardspeed.runtime.zero.buckets import GradBucket, GradientBuckets
+from shardspeed.runtime.zero.strategy import StrategyContext, ZeroStrategy
+
+
+def trainable_params(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
+    """The module's parameters the optimizer updates, in module order, each once."""
+    in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    return [p for p in module.parameters() if p.requires_grad and id(p) in in_optimizer]
+
+
+def reduce_scale_factors(ctx: StrategyContext) -> tuple[float, float]:
+    """(factor before, factor after) the sum-reduction, following DeepSpeed's averaging knobs:
+    prescaling divides by the world size up front; otherwise divide by
+    ``gradient_predivide_factor`` before and by ``world_size / predivide`` after."""
+    world = ctx.dp_world_size
+    if ctx.reduce.prescale_gradients:
+        return 1.0 / world, 1.0
+    predivide = ctx.reduce.gradient_predivide_factor
+    return 1.0 / predivide, predivide / world
+
+
+class ReplicatedStrategy(ZeroStrategy):
+    """Stage 0: replicate everything, all-reduce gradients bucket by bucket."""
+
+    stage = 0
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, ctx: StrategyContext):
+        super().__init__(module, optimizer, ctx)
+        params = trainable_params(module, optimizer)
+        self._pre_scale, self._post_scale = reduce_scale_factors(ctx)
+        self.buckets = GradientBuckets(list(reversed(params)), ctx.reduce.bucket_size, self._launch)
+        self.masters = MasterWeights.from_policy(params, ctx.precision)
+        self.masters.rebind_optimizer(optimizer)
+
+    # -- backward -------------------------------------------------------------------------
+    def begin_backward(self, reduce: bool) -> None:
+        self.buckets.begin(reduce and self.ctx.dp_world_size > 1)
+
+    def _launch(self, bucket: GradBucket) -> None:
+        staging = bucket.buffer
+        comm_dtype = self.ctx.reduce.communication_data_type
+        if comm_dtype is not None and comm_dtype != staging.dtype:
+            staging = staging.to(comm_dtype)
+        if self._pre_scale != 1.0:
+            staging.mul_(self._pre_scale)
+        work = comm.all_reduce(staging, group=self.ctx.dp_group, async_op=True)
+        bucket.inflight = (work, staging)
+
+    def end_backward(self) -> None:
+        for bucket in self.buckets.flush():
+            work, staging = bucket.inflight
+            work.wait()
+            if staging is not bucket.buffer:
+                bucket.buffer.copy_(staging)
+            if self._post_scale != 1.0:
+                bucket.buffer.mul_(self._post_scale)
+            bucket.inflight = None
+
+    # -- step -----------------------------------------------------------------------------
+    def _step_grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.masters.master_params if p.grad is not None]
+
+    def prepare_step(self, inv_loss_scale: float) -> None:
+        if self.masters.is_identity:
+            if inv_loss_scale != 1.0:
+                torch._foreach_mul_(self._step_grads(), inv_loss_scale)
+        else:
+            self.masters.copy_grads_to_master(inv_loss_scale)
+
+    def local_overflow(self) -> torch.Tensor:
+        return has_inf_or_nan(self._step_grads())
+
+    def global_grad_norm(self) -> torch.Tensor:
+        grads = self._step_grads()
+        if not grads:
+            return torch.zeros((), dtype=torch.float32)
+        norms = torch._foreach_norm(grads, 2.0)
+        return torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), 2.0)
+
+    def scale_gradients(self, coef: torch.Tensor) -> None:
+        grads = self._step_grads()
+        if grads:
+            torch._foreach_mul_(grads, coef.to(grads[0].device))
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()
+        if not self.masters.is_identity:
+            self.masters.copy_master_to_model()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        del set_to_none  # the gradient buffers are reused; zeroing them in place is cheaper
+        self.buckets.zero_()
+        if not self.masters.is_identity:
+            for master in self.masters.master_params:
+                master.grad = None
+
+    # -- state ----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        if not self.masters.is_identity:
+            state["fp32_masters"] = [m.detach().clone() for m in self.masters.master_params]
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        masters = state.get("fp32_masters")
+        if masters is None:
+            if not self.masters.is_identity:
+                # a checkpoint without masters: rebuild them from the (loaded) model weights
+                for master, param in zip(
+                    self.masters.master_params, self.masters.model_params, strict=True
+                ):
+                    master.data.copy_(param.data)
+            return
+        for master, saved in zip(self.masters.master_params, masters, strict=True):
+            master.data.copy_(saved)
+        self.masters.copy_master_to_model()
+
+    def destroy(self) -> None:
+        self.buckets.remove_hooks()

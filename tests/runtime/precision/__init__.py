@@ -1,0 +1,1 @@
+"""Tests of shardspeed.runtime.precision and torch_autocast."""
