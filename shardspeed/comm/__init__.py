@@ -51,6 +51,7 @@ from shardspeed.comm.logger import (
 from shardspeed.comm.p2p import barrier, irecv, isend, monitored_barrier, recv, send
 from shardspeed.comm.state import (
     SUPPORTED_BACKENDS,
+    available_backends,
     default_pg_timeout,
     destroy_process_group,
     enable_symm_mem_for_group,
@@ -137,6 +138,7 @@ __all__ = [
     "init_distributed",
     "initialize_mesh_device",
     "irecv",
+    "available_backends",
     "is_available",
     "is_initialized",
     "isend",

@@ -44,6 +44,16 @@ def is_available() -> bool:
     return dist.is_available()
 
 
+def available_backends(
+    names: tuple[str, ...] = ("nccl", "gloo", "mpi", "ucc", "xccl"),
+) -> dict[str, bool]:
+    """Which of ``names`` this torch build includes (``torch.distributed.is_<name>_available``)."""
+    if not dist.is_available():
+        return dict.fromkeys(names, False)
+    probes = {name: getattr(dist, f"is_{name}_available", None) for name in names}
+    return {name: bool(probe()) if probe is not None else False for name, probe in probes.items()}
+
+
 def is_initialized() -> bool:
     """Whether the default process group exists (made by shardspeed or by anyone else)."""
     return dist.is_available() and dist.is_initialized()

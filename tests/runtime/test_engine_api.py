@@ -135,9 +135,7 @@ def dataloader_shards_the_dataset() -> list[int]:
     seen = [int(v) for (batch,) in loader for v in batch.flatten()]
     assert len(loader) == 5 and len(seen) == 10
     repeating = shardspeed.utils.RepeatingLoader(loader)
-    assert (
-        sum(1 for _ in itertools.islice(repeating, 12)) == 12
-    )  # runs past the end of an epoch
+    assert sum(1 for _ in itertools.islice(repeating, 12)) == 12  # runs past the end of an epoch
     engine.destroy()
     return seen
 
