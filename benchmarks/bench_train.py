@@ -74,6 +74,8 @@ def _rank_main(
         RANK=str(rank),
         WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank),
+        # stdout carries only the one JSON line: keep the ranks' info logs off it
+        SHARDSPEED_LOG_LEVEL="WARNING",
     )
     torch.set_num_threads(args.threads)
     cuda = torch.cuda.is_available()
