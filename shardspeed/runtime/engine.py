@@ -226,9 +226,9 @@ class DeepSpeedEngine(nn.Module):
         finally:
             self._no_sync = False
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
         if self.optimizer is not None:
-            self.optimizer.zero_grad()
+            self.optimizer.zero_grad(set_to_none)
 
     # -- accumulation boundary ------------------------------------------------------------------
     def is_gradient_accumulation_boundary(self) -> bool:

@@ -17,8 +17,9 @@ from shardspeed.config import (
     load_config_dict,
 )
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "configs"
-EXAMPLE_FILES = sorted(EXAMPLES.glob("*.json")) + sorted(EXAMPLES.glob("*.hjson"))
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+# every DeepSpeed config shipped anywhere under examples/
+EXAMPLE_FILES = sorted(EXAMPLES.rglob("*.json")) + sorted(EXAMPLES.rglob("*.hjson"))
 
 
 def test_examples_exist() -> None:

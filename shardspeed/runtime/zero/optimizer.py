@@ -27,27 +27,14 @@ class ZeroOptimizer(DeepSpeedOptimizer):
         check_overflow: bool = False,
         track_grad_norm: bool = False,
     ) -> None:
+        super().__init__(strategy.optimizer)
         self.strategy = strategy
-        self.optimizer = strategy.optimizer
         self.loss_scaler = loss_scaler
         self.gradient_clipping = gradient_clipping
         self.check_overflow = check_overflow
         self.track_grad_norm = track_grad_norm or gradient_clipping > 0.0
         self._global_grad_norm: torch.Tensor | None = None
         self.overflow = False
-
-    # torch.optim.Optimizer look-alike -------------------------------------------------------
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    @property
-    def state(self) -> Any:
-        return self.optimizer.state
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        return self.optimizer.defaults
 
     @property
     def loss_scale(self) -> float:
