@@ -23,6 +23,7 @@ _LAZY: dict[str, str] = {
     "DeepSpeedConfigError": "shardspeed.config.errors",
     "OnDevice": "shardspeed.utils.init_on_device",
     "comm": "shardspeed.comm",
+    "checkpointing": "shardspeed.checkpointing",
     "accelerator": "shardspeed.accelerator",
     "ops": "shardspeed.ops",
     "runtime": "shardspeed.runtime",
