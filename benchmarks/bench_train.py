@@ -4,7 +4,9 @@
     python benchmarks/bench_train.py --stages 0 --n_layer 8 --n_embd 768
 
 Each mode runs in fresh rank processes (so each has its own peak RSS), modes alternate over
-``--rounds`` rounds, and the median step time of every mode is reported. Prints one JSON line.
+``--rounds`` rounds, and the median step time of every mode is reported. Each mode also reports
+its theoretical model-state bytes per rank (fp32 AdamW; see :func:`model_state_bytes`). Prints one
+JSON line.
 """
 
 from __future__ import annotations
@@ -61,8 +63,32 @@ def _ds_config(args: argparse.Namespace, stage: int) -> dict[str, Any]:
         "train_micro_batch_size_per_gpu": args.micro,
         "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
-        "zero_optimization": {"stage": stage},
+        # DDP's default bucket (25 MB of fp32) for both reduce and gather: with DeepSpeed's
+        # 5e8-element defaults a ~100M model is one bucket, i.e. a full-size temporary buffer
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": 6_250_000,
+            "allgather_bucket_size": 6_250_000,
+        },
     }
+
+
+def model_state_bytes(mode: str, params: int, world: int, elem: int = 4) -> int:
+    """Theoretical bytes of parameters, gradients and AdamW state per rank (fp32, Ψ = ``params``).
+
+    DDP: params + grads + its gradient buckets (a second copy of the grads) + 2 moments.
+    Stage 0: params + grads (bucket views) + 2 moments. Stage 1: params + full grads, and per
+    partition (Ψ/N) the fp32 master, reduced gradient and 2 moments. Stage 2: params and the
+    four partition tensors (plus the buckets in flight, not counted).
+    """
+    psi, part = params, -(-params // world)
+    per_mode = {
+        "ddp": 5 * psi,
+        "shardspeed_stage0": 3 * psi + psi,
+        "shardspeed_stage1": 2 * psi + 4 * part,
+        "shardspeed_stage2": psi + 4 * part,
+    }
+    return per_mode[mode] * elem
 
 
 def _rank_main(
@@ -189,6 +215,9 @@ def main() -> None:
                 round(max(rnd[i]["peak_rss_mb"] for rnd in rounds), 1) for i in range(args.world)
             ],
             "peak_device_mb_per_rank": [rounds[-1][i]["peak_device_mb"] for i in range(args.world)],
+            "model_state_mb_per_rank_theory": round(
+                model_state_bytes(mode, summary["params"], args.world) / 2**20, 1
+            ),
         }
     for mode in modes[1:]:
         summary[f"{mode}_vs_ddp_step_time"] = round(

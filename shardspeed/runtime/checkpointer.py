@@ -2,8 +2,11 @@
 
 ``save_dir/tag/mp_rank_00_model_states.pt`` holds the module weights, the optimizer wrapper's
 state (loss scaler, fp32 masters, torch optimizer state), the LR scheduler, the step counters and
-the client state; ``save_dir/latest`` names the newest tag. Files are written to a temporary name
-and renamed, so an interrupted save never leaves a truncated checkpoint behind.
+the client state; ``save_dir/latest`` names the newest tag. Where the ZeRO strategy partitions the
+optimizer state (stages 1 and 2) every data-parallel rank also writes its own shard, named by the
+strategy (``zero_pp_rank_{r}_mp_rank_00_optim_states.pt``), and the model file holds no optimizer
+state. Files are written to a temporary name and renamed, so an interrupted save never leaves a
+truncated checkpoint behind.
 """
 
 from __future__ import annotations
@@ -44,11 +47,19 @@ def save(
     if "/" in tag or tag in ("", ".", ".."):
         raise ValueError(f"checkpoint tag {tag!r} must be a plain directory name")
     folder = Path(save_dir) / tag
+    shard = _optimizer_shard_name(engine)
+    optimizer_state = engine.optimizer.state_dict() if engine.optimizer is not None else None
+    if shard is not None:
+        folder.mkdir(parents=True, exist_ok=True)  # every rank writes here, none may wait for 0
+        _atomic_save(
+            {"optimizer_state_dict": optimizer_state, "dp_world_size": engine.dp_world_size},
+            folder / shard,
+        )
     if engine.global_rank == 0:
         folder.mkdir(parents=True, exist_ok=True)
         state: dict[str, Any] = {
             "module": engine.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters),
-            "optimizer": engine.optimizer.state_dict() if engine.optimizer is not None else None,
+            "optimizer": None if shard is not None else optimizer_state,
             "lr_scheduler": engine.lr_scheduler.state_dict()
             if engine.lr_scheduler is not None
             else None,
@@ -66,6 +77,11 @@ def save(
         comm.barrier()
     log_dist(f"saved checkpoint {folder}", ranks=[0])
     return True
+
+
+def _optimizer_shard_name(engine: DeepSpeedEngine) -> str | None:
+    """This rank's optimizer shard file name, or None when the optimizer state is replicated."""
+    return None if engine.optimizer is None else engine.optimizer.strategy.checkpoint_shard_name()
 
 
 def resolve_tag(load_dir: str, tag: str | None) -> str | None:
@@ -98,8 +114,23 @@ def load(
         )
     state = torch.load(path, map_location="cpu", weights_only=False)
     engine.load_module_state_dict(state, strict=load_module_strict, custom_load_fn=custom_load_fn)
-    if load_optimizer_states and engine.optimizer is not None and state.get("optimizer"):
+    shard = _optimizer_shard_name(engine)
+    if load_optimizer_states and shard is not None:
+        shard_path = Path(load_dir) / tag / shard
+        if not shard_path.is_file():
+            raise FileNotFoundError(
+                f"optimizer shard {shard_path} does not exist: the checkpoint was saved with "
+                f"another ZeRO stage or data-parallel size (saved: stage "
+                f"{state.get('zero_stage')}, {state.get('dp_world_size')} ranks); resume with "
+                "the same settings or pass load_optimizer_states=False"
+            )
+        saved = torch.load(shard_path, map_location="cpu", weights_only=False)
+        engine.optimizer.load_state_dict(saved["optimizer_state_dict"])
+    elif load_optimizer_states and engine.optimizer is not None and state.get("optimizer"):
         engine.optimizer.load_state_dict(state["optimizer"])
+    elif engine.optimizer is not None:
+        # no optimizer state loaded: master weights must follow the module weights just loaded
+        engine.optimizer.strategy.load_state_dict({})
     if load_lr_scheduler_states and engine.lr_scheduler is not None and state.get("lr_scheduler"):
         engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
     for name in _COUNTERS:

@@ -20,14 +20,20 @@ from shardspeed.accelerator import get_accelerator
 from shardspeed.config import DeepSpeedConfig
 from shardspeed.runtime import checkpointer
 from shardspeed.runtime.dataloader import DeepSpeedDataLoader
+from shardspeed.runtime.engine_monitoring import EngineObservability
 from shardspeed.runtime.optimizer_setup import build_basic_optimizer, build_lr_scheduler
 from shardspeed.runtime.precision.loss_scaler import loss_scaler_for_policy
 from shardspeed.runtime.precision.policy import PrecisionPolicy
 from shardspeed.runtime.torch_autocast import autocast_if_enabled
 from shardspeed.runtime.zero.optimizer import ZeroOptimizer
-from shardspeed.runtime.zero.registry import strategy_class
+from shardspeed.runtime.zero.registry import build_strategy
 from shardspeed.runtime.zero.strategy import GradReduceOptions, StrategyContext
 from shardspeed.utils.logging import log_dist
+from shardspeed.utils.timer import (
+    BACKWARD_INNER_GLOBAL_TIMER,
+    BACKWARD_REDUCE_GLOBAL_TIMER,
+    STEP_GLOBAL_TIMER,
+)
 
 ROUTE_TRAIN = "train"
 ROUTE_EVAL = "eval"
@@ -86,6 +92,7 @@ class DeepSpeedEngine(nn.Module):
         self.training_dataloader = (
             self.deepspeed_io(training_data) if training_data is not None else None
         )
+        self.observability = EngineObservability(self)
 
     # -- construction -----------------------------------------------------------------------
     def _setup_data_parallel_group(self, mpu: Any) -> None:
@@ -129,8 +136,9 @@ class DeepSpeedEngine(nn.Module):
                 overlap_comm=bool(zero.overlap_comm),
             ),
             zero_config=zero,
+            allow_untested_optimizer=bool(self._config.zero_allow_untested_optimizer),
         )
-        strategy = strategy_class(zero.stage)(self.module, basic_optimizer, ctx)
+        strategy = build_strategy(self.module, basic_optimizer, ctx)
         scaler = loss_scaler_for_policy(self.precision, self._config.fp16)
         return ZeroOptimizer(
             strategy,
@@ -142,11 +150,14 @@ class DeepSpeedEngine(nn.Module):
     # -- the training verbs -------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         policy = self.precision
-        with autocast_if_enabled(
-            policy.autocast_enabled,
-            policy.autocast_dtype,
-            self.device.type,
-            native_low_precision=policy.param_dtype != torch.float32,
+        with (
+            self.observability.forward(inputs),
+            autocast_if_enabled(
+                policy.autocast_enabled,
+                policy.autocast_dtype,
+                self.device.type,
+                native_low_precision=policy.param_dtype != torch.float32,
+            ),
         ):
             return self.module(*inputs, **kwargs)
 
@@ -169,35 +180,41 @@ class DeepSpeedEngine(nn.Module):
                 "engine.backward() needs an optimizer: pass optimizer= to initialize() or add an "
                 "'optimizer' section to the config"
             )
-        gas = self.gradient_accumulation_steps()
-        if scale_wrt_gas and gas > 1:
-            loss = loss / gas
-        strategy = self.optimizer.strategy
-        strategy.begin_backward(
-            reduce=self.is_gradient_accumulation_boundary() and not self._no_sync
-        )
-        self.optimizer.scale_loss(loss).backward(retain_graph=retain_graph)
-        strategy.end_backward()
+        with self.observability.backward(loss):
+            gas = self.gradient_accumulation_steps()
+            if scale_wrt_gas and gas > 1:
+                loss = loss / gas
+            strategy = self.optimizer.strategy
+            strategy.begin_backward(
+                reduce=self.is_gradient_accumulation_boundary() and not self._no_sync
+            )
+            with self.observability.phase(BACKWARD_INNER_GLOBAL_TIMER):
+                self.optimizer.scale_loss(loss).backward(retain_graph=retain_graph)
+            with self.observability.phase(BACKWARD_REDUCE_GLOBAL_TIMER):
+                strategy.end_backward()
         return loss
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """Update the weights if this micro-step ends a gradient-accumulation window."""
         self._step_applied = False
-        if self.is_gradient_accumulation_boundary():
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
             if self.optimizer is None:
                 raise RuntimeError(
                     "engine.step() needs an optimizer (see initialize(optimizer=...))"
                 )
-            self._step_applied = self.optimizer.step()
-            if self._step_applied:
-                if self.lr_scheduler is not None:
-                    self.lr_scheduler.step(**(lr_kwargs or {}))
-            else:
-                self.skipped_steps += 1
+            with self.observability.phase(STEP_GLOBAL_TIMER):
+                self._step_applied = self.optimizer.step()
+                if self._step_applied:
+                    if self.lr_scheduler is not None:
+                        self.lr_scheduler.step(**(lr_kwargs or {}))
+                else:
+                    self.skipped_steps += 1
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
             self._report_progress()
         self.micro_steps += 1
+        self.observability.after_step(boundary)
 
     def _report_progress(self) -> None:
         every = self._config.steps_per_print
@@ -419,3 +436,4 @@ class DeepSpeedEngine(nn.Module):
         """Remove the gradient hooks; the engine must not be used afterwards."""
         if self.optimizer is not None:
             self.optimizer.strategy.destroy()
+        self.observability.close()

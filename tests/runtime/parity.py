@@ -1,5 +1,9 @@
 """Rank-side code for parity tests: train a model with the engine on this rank's share of each
-global batch, and a single-process reference on the whole batch, and compare step by step."""
+global batch, and a single-process reference on the whole batch, and compare step by step.
+
+The single-process reference is what ZeRO stage 0 computes, so ``stage=1``/``2`` runs are
+stage-vs-stage-0 parity; they also compare the optimizer state, read back through the
+``safe_get_full_optimizer_state`` utility (which exercises the partition bookkeeping)."""
 
 from __future__ import annotations
 
@@ -15,11 +19,13 @@ from torch import nn
 import shardspeed
 from examples.gpt_model import GPT, GPTConfig, synthetic_tokens
 from shardspeed.ops.factory import build_optimizer
+from shardspeed.utils import safe_get_full_optimizer_state
 
 # Adam divides by sqrt(v) + eps: with eps=1e-8 an element whose gradient is ~1e-9 turns float
 # summation-order noise (two half-batch means vs one full-batch mean) into 1e-6 weight changes.
 # A larger eps keeps these tests about the data-parallel machinery, not Adam's conditioning.
 EPS = 1e-6
+OPT_PARAMS = {"lr": 1e-2, "eps": EPS, "weight_decay": 0.01}
 TINY_GPT = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 
 
@@ -62,7 +68,7 @@ def adamw_config(micro: int, gas: int, clip: float, **extra: Any) -> dict[str, A
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": gas,
         "gradient_clipping": clip,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "eps": EPS, "weight_decay": 0.01}},
+        "optimizer": {"type": "AdamW", "params": dict(OPT_PARAMS)},
         **extra,
     }
 
@@ -87,6 +93,36 @@ def assert_close(
         raise AssertionError(f"{what}: max abs diff {diff:.3e} (rtol={rtol}, atol={atol})")
 
 
+def param_setup(model: nn.Module, groups: bool, freeze: bool) -> list[Any]:
+    """What to hand the optimizer: all parameters, or (``groups``) two groups with their own lr
+    and weight decay; ``freeze`` first freezes the model's first parameter tensor (a layer)."""
+    params = list(model.parameters())
+    if freeze:
+        params[0].requires_grad_(False)
+    trainable = [p for p in params if p.requires_grad]
+    if not groups:
+        return trainable
+    half = len(trainable) // 2
+    return [
+        {"params": trainable[:half], "lr": 2e-2, "weight_decay": 0.0},
+        {"params": trainable[half:], "lr": 5e-3, "weight_decay": 0.1},
+    ]
+
+
+def assert_state_close(
+    model: nn.Module, reference: nn.Module, ref_opt: Any, step: int, rtol: float, atol: float
+) -> None:
+    """Adam moments of every trained parameter, assembled from the partitions, equal the
+    reference's (a collective: every rank runs it)."""
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        if not p.requires_grad:
+            continue
+        for key in ("exp_avg", "exp_avg_sq"):
+            full = safe_get_full_optimizer_state(p, key)
+            assert full is not None
+            assert_close(full, ref_opt.state[q][key], f"{name}.{key} at step {step}", rtol, atol)
+
+
 def reference_backward(
     model: nn.Module, x: torch.Tensor, y: torch.Tensor, step: int, micro: int, gas: int, world: int
 ) -> torch.Tensor:
@@ -98,7 +134,7 @@ def reference_backward(
     batch = micro * gas * world
     rows = global_rows(step, batch)
     xs, ys = x[rows].split(micro), y[rows].split(micro)
-    params = list(model.parameters())
+    params = [p for p in model.parameters() if p.requires_grad]
     total = torch.zeros(())
     summed: list[torch.Tensor] | None = None
     for rank in range(world):
@@ -128,29 +164,37 @@ def run_parity(
     rtol: float = 1e-5,
     atol: float = 1e-6,
     config_extra: dict[str, Any] | None = None,
+    stage: int = 0,
+    groups: bool = False,
+    freeze: bool = False,
 ) -> list[float]:
-    """Train ``steps`` optimizer steps both ways; assert losses and parameters match at every
-    step. Returns the engine's global losses."""
+    """Train ``steps`` optimizer steps both ways under ZeRO ``stage``; assert losses, parameters
+    and (stages > 0) optimizer state match at every step. ``groups``/``freeze``: see
+    :func:`param_setup`. Returns the engine's global losses."""
     world = dist.get_world_size()
     torch.manual_seed(0)
     task = make_task(kind, rows=steps * micro * gas * world)
     reference = task.build()
     model = copy.deepcopy(reference)
+    extra = dict(config_extra or {})
+    if stage:
+        extra["zero_optimization"] = {**extra.get("zero_optimization", {}), "stage": stage}
     engine, *_ = shardspeed.initialize(
-        model=model, config=adamw_config(micro, gas, clip, **(config_extra or {}))
+        model=model,
+        model_parameters=param_setup(model, groups, freeze),
+        config=adamw_config(micro, gas, clip, **extra),
     )
     # the same optimizer class the config builds: this test is about data parallelism (each
     # optimizer is checked against its torch reference in tests/ops)
-    ref_opt = build_optimizer(
-        "AdamW", reference.parameters(), {"lr": 1e-2, "eps": EPS, "weight_decay": 0.01}
-    )
+    ref_opt = build_optimizer("AdamW", param_setup(reference, groups, freeze), OPT_PARAMS)
     x, y = task.data
     losses = []
     for step in range(steps):
         ref_opt.zero_grad()
         ref_loss = reference_backward(reference, x, y, step, micro, gas, world)
         if clip > 0:
-            torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
+            trained = [p for p in reference.parameters() if p.requires_grad]
+            torch.nn.utils.clip_grad_norm_(trained, clip)
         ref_opt.step()
 
         total = torch.zeros(())
@@ -165,6 +209,8 @@ def run_parity(
         assert_close(global_loss, ref_loss.detach(), f"loss at step {step}", rtol, atol)
         for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
             assert_close(p.detach(), q.detach(), f"{name} at step {step}", rtol, atol)
+        if stage:
+            assert_state_close(model, reference, ref_opt, step, rtol, atol)
         losses.append(global_loss.item())
     engine.destroy()
     return losses

@@ -15,7 +15,9 @@ def allreduce_bytes_per_step(comm_dtype: str | None) -> tuple[int, list[torch.Te
     torch.manual_seed(0)
     model = MLP(width=32)
     extra = {} if comm_dtype is None else {"communication_data_type": comm_dtype}
-    engine, *_ = shardspeed.initialize(model=copy.deepcopy(model), config=adamw_config(4, 1, 0.0, **extra))
+    engine, *_ = shardspeed.initialize(
+        model=copy.deepcopy(model), config=adamw_config(4, 1, 0.0, **extra)
+    )
     gen = torch.Generator().manual_seed(comm.get_rank())
     x, y = torch.randn(4, 32, generator=gen), torch.randn(4, 1, generator=gen)
     comm.reset_comm_volume()

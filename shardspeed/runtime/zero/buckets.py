@@ -1,15 +1,25 @@
 """Gradient buckets: gradients laid out as views of flat buffers, launched as they become ready.
 
-Each trainable parameter's ``.grad`` is a view into one flat buffer per bucket, so autograd
-accumulates straight into the buffer and a bucket is reduced in place with a single collective,
-with no copy in or out. Buckets are filled in reverse parameter order (roughly the order backward
-produces gradients) and are always launched in bucket order: every rank must issue the same
+Two ways to hold gradients:
+
+* **views** (stages 0 and 1): each trainable parameter's ``.grad`` is a view into one persistent
+  flat buffer per bucket, so autograd accumulates straight into the buffer and a bucket is reduced
+  in place with a single collective, with no copy in or out.
+* **staged** (stage 2): ``.grad`` is autograd's own tensor while gradients accumulate locally; in a
+  reducing backward each gradient is copied into its bucket's buffer as soon as it is final and
+  ``.grad`` is dropped. A bucket's buffer exists only from its first gradient until the strategy
+  :meth:`~GradientBuckets.release` releases it, so at most the buckets in flight are ever allocated.
+
+A bucket's flat size may be padded to a multiple of ``pad_to`` (the world size), so a
+reduce-scatter of the bucket gives every rank an equal contiguous chunk. Buckets are filled in
+reverse parameter order (roughly the order backward produces gradients), never mix ``split_key``
+values (parameter groups), and are always launched in bucket order: every rank must issue the same
 collectives in the same order, whatever order its gradients arrive in.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,8 +33,15 @@ class GradBucket:
 
     index: int
     params: list[nn.Parameter]
-    buffer: torch.Tensor
-    views: list[torch.Tensor]
+    #: start of each parameter in the bucket's flat layout
+    offsets: list[int]
+    #: flat size including the padding to a multiple of ``pad_to``
+    size: int
+    dtype: torch.dtype
+    device: torch.device
+    #: the flat gradient buffer; ``None`` for a staged bucket that is not in use
+    buffer: torch.Tensor | None = None
+    views: list[torch.Tensor] = field(default_factory=list)
     pending: int = 0
     launched: bool = False
     #: whatever the launcher needs to finish the collective (work handle, staging tensor)
@@ -32,21 +49,33 @@ class GradBucket:
 
     @property
     def numel(self) -> int:
-        return self.buffer.numel()
+        return self.size
+
+    def allocate(self) -> None:
+        """Create the (zeroed) flat buffer and the per-parameter views into it."""
+        self.buffer = torch.zeros(self.size, dtype=self.dtype, device=self.device)
+        self.views = [
+            self.buffer[offset : offset + param.numel()].view_as(param)
+            for param, offset in zip(self.params, self.offsets, strict=True)
+        ]
 
 
 def _partition_into_buckets(
-    params: Sequence[nn.Parameter], bucket_size: int
+    params: Sequence[nn.Parameter],
+    bucket_size: int,
+    split_key: Callable[[nn.Parameter], Hashable] | None = None,
 ) -> list[list[nn.Parameter]]:
-    """Consecutive runs of same-dtype, same-device parameters of at most ``bucket_size`` elements
-    (a single larger parameter gets a bucket of its own)."""
+    """Consecutive runs of same-dtype, same-device, same-``split_key`` parameters of at most
+    ``bucket_size`` elements (a single larger parameter gets a bucket of its own)."""
     runs: list[list[nn.Parameter]] = []
     current: list[nn.Parameter] = []
     size = 0
+
+    def key(param: nn.Parameter) -> tuple[Any, ...]:
+        return (param.dtype, param.device, None if split_key is None else split_key(param))
+
     for param in params:
-        key_changed = bool(current) and (
-            param.dtype != current[0].dtype or param.device != current[0].device
-        )
+        key_changed = bool(current) and key(param) != key(current[0])
         if current and (key_changed or size + param.numel() > bucket_size):
             runs.append(current)
             current, size = [], 0
@@ -61,6 +90,7 @@ class GradientBuckets:
     """Owns the flat gradient buffers of ``params`` and tells ``launch`` when a bucket is ready.
 
     ``params`` should be given in the order backward is expected to produce their gradients.
+    ``staged=True`` selects the staged mode (see the module docstring).
     """
 
     def __init__(
@@ -68,30 +98,35 @@ class GradientBuckets:
         params: Sequence[nn.Parameter],
         bucket_size: int,
         launch: Callable[[GradBucket], None],
+        *,
+        pad_to: int = 1,
+        split_key: Callable[[nn.Parameter], Hashable] | None = None,
+        staged: bool = False,
     ) -> None:
         self._launch = launch
+        self.staged = staged
         self.buckets: list[GradBucket] = []
-        self._slot: dict[nn.Parameter, tuple[GradBucket, torch.Tensor]] = {}
-        for index, run in enumerate(_partition_into_buckets(params, max(bucket_size, 1))):
-            buffer = torch.zeros(
-                sum(p.numel() for p in run), dtype=run[0].dtype, device=run[0].device
-            )
-            views, offset = [], 0
+        self._slot: dict[nn.Parameter, tuple[GradBucket, int]] = {}
+        runs = _partition_into_buckets(params, max(bucket_size, 1), split_key)
+        for index, run in enumerate(runs):
+            offsets, total = [], 0
             for param in run:
-                view = buffer[offset : offset + param.numel()].view_as(param)
-                offset += param.numel()
-                views.append(view)
-            bucket = GradBucket(index, run, buffer, views)
+                offsets.append(total)
+                total += param.numel()
+            size = -(-total // pad_to) * pad_to
+            bucket = GradBucket(index, run, offsets, size, run[0].dtype, run[0].device)
             self.buckets.append(bucket)
-            for param, view in zip(run, views, strict=True):
-                self._slot[param] = (bucket, view)
+            for position, param in enumerate(run):
+                self._slot[param] = (bucket, position)
         self._next_launch = 0
         self._reducing = False
         self._handles = [
             p.register_post_accumulate_grad_hook(self._on_grad_accumulated) for p in self._slot
         ]
-        for param, (_, view) in self._slot.items():
-            self._attach(param, view)
+        if not staged:
+            for bucket in self.buckets:
+                bucket.allocate()
+                self._attach_all(bucket)
 
     @property
     def numel(self) -> int:
@@ -111,19 +146,37 @@ class GradientBuckets:
         if not self._reducing:
             return []
         for bucket in self.buckets[self._next_launch :]:
-            for param, view in zip(bucket.params, bucket.views, strict=True):
-                self._attach(param, view)
+            if self.staged:
+                if bucket.buffer is None:
+                    bucket.allocate()
+                # gradients of earlier micro-batches whose parameter this one did not use
+                for param in bucket.params:
+                    if param.grad is not None:
+                        self._stage(bucket, param)
+            else:
+                self._attach_all(bucket)
             bucket.pending = 0
         self._launch_ready()
         self._reducing = False
         return self.buckets
 
     def zero_(self) -> None:
-        """Zero every gradient buffer in place, keeping the ``.grad`` views attached."""
+        """Forget every gradient: zero the buffers in place, keeping the ``.grad`` views attached
+        (views mode), or drop the locally accumulated ``.grad`` tensors (staged mode)."""
         for bucket in self.buckets:
-            bucket.buffer.zero_()
-        for param, (_, view) in self._slot.items():
-            self._attach(param, view)
+            if self.staged:
+                for param in bucket.params:
+                    param.grad = None
+            else:
+                assert bucket.buffer is not None
+                bucket.buffer.zero_()
+                self._attach_all(bucket)
+
+    def release(self, bucket: GradBucket) -> None:
+        """Free a staged bucket's buffer once its reduction has been consumed."""
+        if self.staged:
+            bucket.buffer = None
+            bucket.views = []
 
     def grads(self) -> list[torch.Tensor]:
         return [view for bucket in self.buckets for view in bucket.views]
@@ -132,6 +185,18 @@ class GradientBuckets:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+    def _attach_all(self, bucket: GradBucket) -> None:
+        for param, view in zip(bucket.params, bucket.views, strict=True):
+            self._attach(param, view)
+
+    def _stage(self, bucket: GradBucket, param: nn.Parameter) -> None:
+        """Move ``param``'s final gradient into the staged bucket and drop the ``.grad`` tensor."""
+        grad = param.grad
+        if grad is not None:
+            bucket.views[self._slot[param][1]].copy_(grad)
+            # dropping the reference frees the full-size gradient: only buckets stay allocated
+            param.grad = None
 
     @staticmethod
     def _attach(param: nn.Parameter, view: torch.Tensor) -> None:
@@ -147,10 +212,15 @@ class GradientBuckets:
         param.grad = view
 
     def _on_grad_accumulated(self, param: torch.Tensor) -> None:
-        bucket, view = self._slot[param]  # type: ignore[index]
-        self._attach(param, view)  # type: ignore[arg-type]
+        bucket, position = self._slot[param]  # type: ignore[index]
+        if not self.staged:
+            self._attach(param, bucket.views[position])  # type: ignore[arg-type]
         if not self._reducing:
             return
+        if self.staged:
+            if bucket.buffer is None:
+                bucket.allocate()
+            self._stage(bucket, param)  # type: ignore[arg-type]
         bucket.pending -= 1
         if bucket.pending == 0 and bucket.index == self._next_launch:
             self._launch_ready()

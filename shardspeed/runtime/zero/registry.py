@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
+from torch import nn
+
 from shardspeed.runtime.zero.stage0 import ReplicatedStrategy
-from shardspeed.runtime.zero.strategy import ZeroStrategy
+from shardspeed.runtime.zero.stage1 import OptimizerStateStrategy
+from shardspeed.runtime.zero.stage2 import GradientPartitionStrategy
+from shardspeed.runtime.zero.strategy import StrategyContext, ZeroStrategy
 
 STRATEGIES: dict[int, type[ZeroStrategy]] = {
-    ReplicatedStrategy.stage: ReplicatedStrategy,
+    cls.stage: cls
+    for cls in (ReplicatedStrategy, OptimizerStateStrategy, GradientPartitionStrategy)
 }
+
+# zero_optimization keys whose feature is not built yet: a clear error beats silently ignoring
+_NOT_YET_SUPPORTED = (
+    "zero_quantized_weights",
+    "zero_quantized_gradients",
+    "zero_quantized_nontrainable_weights",
+)
 
 
 def strategy_class(stage: int) -> type[ZeroStrategy]:
@@ -20,3 +35,29 @@ def strategy_class(stage: int) -> type[ZeroStrategy]:
             f"zero_optimization.stage={int(stage)} is not implemented in shardspeed yet "
             f'(available stages: {built}); set "zero_optimization": {{"stage": 0}} for now'
         ) from None
+
+
+def check_zero_config(zero: Any) -> None:
+    """Refuse ``zero_optimization`` settings whose feature shardspeed does not have yet."""
+    for key in _NOT_YET_SUPPORTED:
+        if getattr(zero, key, False):
+            raise NotImplementedError(
+                f"zero_optimization.{key}=true (ZeRO++ quantization) is not yet supported in "
+                f"shardspeed; remove the key or set it to false"
+            )
+    offload = getattr(zero, "offload_optimizer", None)
+    device = getattr(getattr(offload, "device", None), "value", "none")
+    if offload is not None and device != "none" and int(zero.stage) > 0:
+        raise NotImplementedError(
+            f'zero_optimization.offload_optimizer.device="{device}" is not yet supported in '
+            f"shardspeed (ZeRO stage {int(zero.stage)}); remove offload_optimizer or set its "
+            'device to "none"'
+        )
+
+
+def build_strategy(
+    module: nn.Module, optimizer: torch.optim.Optimizer, ctx: StrategyContext
+) -> ZeroStrategy:
+    """Validate ``ctx.zero_config`` and build the strategy for its stage."""
+    check_zero_config(ctx.zero_config)
+    return strategy_class(ctx.zero_config.stage)(module, optimizer, ctx)

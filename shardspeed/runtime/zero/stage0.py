@@ -17,7 +17,7 @@ from shardspeed import comm
 from shardspeed.runtime.precision.loss_scaler import has_inf_or_nan
 from shardspeed.runtime.precision.master_weights import MasterWeights
 from shardspeed.runtime.zero.buckets import GradBucket, GradientBuckets
-from shardspeed.runtime.zero.strategy import StrategyContext, ZeroStrategy
+from shardspeed.runtime.zero.strategy import ParamFragment, StrategyContext, ZeroStrategy
 
 
 def trainable_params(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
@@ -37,6 +37,23 @@ def reduce_scale_factors(ctx: StrategyContext) -> tuple[float, float]:
     return 1.0 / predivide, predivide / world
 
 
+def comm_source(buffer: torch.Tensor, ctx: StrategyContext, pre_scale: float) -> torch.Tensor:
+    """What to send for ``buffer``: cast to the communication dtype if one is set (a copy),
+    then multiplied by the pre-reduction factor in place."""
+    comm_dtype = ctx.reduce.communication_data_type
+    if comm_dtype is not None and comm_dtype != buffer.dtype:
+        buffer = buffer.to(comm_dtype)
+    if pre_scale != 1.0:
+        buffer.mul_(pre_scale)
+    return buffer
+
+
+def scale_grads_(grads: list[torch.Tensor], coef: torch.Tensor) -> None:
+    """Multiply every gradient in ``grads`` by the 0-dim ``coef`` in place (clipping)."""
+    if grads:
+        torch._foreach_mul_(grads, coef.to(grads[0].device))
+
+
 class ReplicatedStrategy(ZeroStrategy):
     """Stage 0: replicate everything, all-reduce gradients bucket by bucket."""
 
@@ -49,18 +66,17 @@ class ReplicatedStrategy(ZeroStrategy):
         self.buckets = GradientBuckets(list(reversed(params)), ctx.reduce.bucket_size, self._launch)
         self.masters = MasterWeights.from_policy(params, ctx.precision)
         self.masters.rebind_optimizer(optimizer)
+        self._master_of = {
+            id(p): m
+            for p, m in zip(self.masters.model_params, self.masters.master_params, strict=True)
+        }
 
     # -- backward -------------------------------------------------------------------------
     def begin_backward(self, reduce: bool) -> None:
         self.buckets.begin(reduce and self.ctx.dp_world_size > 1)
 
     def _launch(self, bucket: GradBucket) -> None:
-        staging = bucket.buffer
-        comm_dtype = self.ctx.reduce.communication_data_type
-        if comm_dtype is not None and comm_dtype != staging.dtype:
-            staging = staging.to(comm_dtype)
-        if self._pre_scale != 1.0:
-            staging.mul_(self._pre_scale)
+        staging = comm_source(bucket.buffer, self.ctx, self._pre_scale)
         work = comm.all_reduce(staging, group=self.ctx.dp_group, async_op=True)
         bucket.inflight = (work, staging)
 
@@ -96,9 +112,7 @@ class ReplicatedStrategy(ZeroStrategy):
         return torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), 2.0)
 
     def scale_gradients(self, coef: torch.Tensor) -> None:
-        grads = self._step_grads()
-        if grads:
-            torch._foreach_mul_(grads, coef.to(grads[0].device))
+        scale_grads_(self._step_grads(), coef)
 
     def optimizer_step(self) -> None:
         self.optimizer.step()
@@ -111,6 +125,22 @@ class ReplicatedStrategy(ZeroStrategy):
         if not self.masters.is_identity:
             for master in self.masters.master_params:
                 master.grad = None
+
+    def param_fragment(self, param: nn.Parameter) -> ParamFragment | None:
+        master = self._master_of.get(id(param))
+        if master is None:
+            return None
+        grad = param.grad
+        whole = slice(0, param.numel())
+        return ParamFragment(
+            param_slice=whole,
+            master=master.data.view(-1),
+            grad=None if grad is None else grad.view(-1),
+            state_key=master,
+            state_slice=whole,
+            partitioned=False,
+            group=self.ctx.dp_group,
+        )
 
     # -- state ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -135,3 +165,4 @@ class ReplicatedStrategy(ZeroStrategy):
 
     def destroy(self) -> None:
         self.buckets.remove_hooks()
+        super().destroy()

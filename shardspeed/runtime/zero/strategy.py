@@ -16,16 +16,22 @@ The life of one optimizer step, as the engine drives it::
     strategy.scale_gradients(clip_coef)
     strategy.optimizer_step()                # update masters, write back to the model
     strategy.zero_grad()
+
+Debugging and state-editing utilities (``shardspeed.utils.safe_get_full_fp32_param`` ...) find a
+parameter's strategy through :func:`strategy_of` (a weak map filled when a strategy is built) and
+its pieces through :meth:`ZeroStrategy.param_fragment`; nothing is stored on the parameters.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from shardspeed.comm import ProcessGroup
 from shardspeed.runtime.precision.policy import PrecisionPolicy
@@ -52,6 +58,42 @@ class StrategyContext:
     precision: PrecisionPolicy
     reduce: GradReduceOptions
     zero_config: Any = None
+    #: the ``zero_allow_untested_optimizer`` flag
+    allow_untested_optimizer: bool = False
+
+
+@dataclass(frozen=True)
+class ParamFragment:
+    """This rank's piece of one model parameter: elements ``param_slice`` of
+    ``param.view(-1)``, with their fp32 master values, reduced gradient and optimizer state.
+
+    ``master`` and ``grad`` are 1-D views of exactly the piece; the optimizer state of the piece is
+    ``optimizer.state[state_key][name].view(-1)[state_slice]``. ``partitioned`` says whether
+    other ranks of ``group`` hold the rest (then assembling the full tensor is a collective).
+    """
+
+    param_slice: slice
+    master: torch.Tensor
+    grad: torch.Tensor | None
+    state_key: torch.Tensor
+    state_slice: slice
+    partitioned: bool
+    group: ProcessGroup | None
+
+
+# parameter -> the strategy that manages it; weak so that a dropped engine frees its model
+_STRATEGY_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def register_params(params: Iterable[torch.Tensor], strategy: ZeroStrategy) -> None:
+    """Record that ``strategy`` manages ``params`` (the latest registration wins)."""
+    for param in params:
+        _STRATEGY_OF[param] = strategy
+
+
+def strategy_of(param: torch.Tensor) -> ZeroStrategy | None:
+    """The strategy managing ``param``, or None if no live engine trains it."""
+    return _STRATEGY_OF.get(param)
 
 
 class ZeroStrategy(ABC):
@@ -65,6 +107,7 @@ class ZeroStrategy(ABC):
         self.module = module
         self.optimizer = optimizer
         self.ctx = ctx
+        register_params(module.parameters(), self)
 
     @abstractmethod
     def begin_backward(self, reduce: bool) -> None:
@@ -98,6 +141,15 @@ class ZeroStrategy(ABC):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the accumulated gradients."""
 
+    @abstractmethod
+    def param_fragment(self, param: nn.Parameter) -> ParamFragment | None:
+        """This rank's piece of ``param``; None if the optimizer does not train it."""
+
+    def checkpoint_shard_name(self) -> str | None:
+        """File name of this rank's own optimizer checkpoint, or None if the optimizer state is
+        replicated (then it is saved once, with the model states)."""
+        return None
+
     def master_params(self) -> list[torch.Tensor]:
         """The tensors the wrapped optimizer updates (for state inspection and checkpoints)."""
         return [p for group in self.optimizer.param_groups for p in group["params"]]
@@ -108,5 +160,8 @@ class ZeroStrategy(ABC):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         del state
 
-    def destroy(self) -> None:  # noqa: B027 - optional hook: most strategies have nothing to undo
-        """Remove hooks this strategy installed on the module."""
+    def destroy(self) -> None:
+        """Remove hooks this strategy installed on the module and forget its parameters."""
+        for param in self.module.parameters():
+            if _STRATEGY_OF.get(param) is self:
+                del _STRATEGY_OF[param]

@@ -1,0 +1,41 @@
+"""CSV backend: one file per event name, ``output_path/job_name/<name with / as _>.csv``."""
+
+from __future__ import annotations
+
+import csv
+import os
+from collections.abc import Sequence
+
+from shardspeed.config.monitor import CSVConfig
+from shardspeed.monitor.monitor import Event, Monitor
+
+__all__ = ["CsvMonitor", "csvMonitor"]
+
+
+class CsvMonitor(Monitor):
+    """Appends ``step,value`` rows; a new file starts with the header ``step,<event name>``."""
+
+    def __init__(self, csv_config: CSVConfig) -> None:
+        super().__init__(csv_config)
+        base = csv_config.output_path or os.path.join(os.getcwd(), "csv_monitor")
+        self.log_dir = os.path.join(base, csv_config.job_name)
+        os.makedirs(self.log_dir, exist_ok=True)
+
+    def path_for(self, name: str) -> str:
+        """The file that holds the event ``name``."""
+        return os.path.join(self.log_dir, name.replace("/", "_") + ".csv")
+
+    def write_events(self, event_list: Sequence[Event]) -> None:
+        for name, value, step in event_list:
+            path = self.path_for(name)
+            is_new = not os.path.exists(path)
+            # Open per write: events are rare (once per optimizer step) and files stay complete
+            # if the job dies.
+            with open(path, "a", newline="", encoding="utf-8") as handle:
+                writer = csv.writer(handle)
+                if is_new:
+                    writer.writerow(["step", name])
+                writer.writerow([step, value])
+
+
+csvMonitor = CsvMonitor  # noqa: N816 - DeepSpeed's class name
