@@ -59,17 +59,20 @@ def _batches(
 
 
 def _ds_config(args: argparse.Namespace, stage: int) -> dict[str, Any]:
+    zero: dict[str, Any] = {
+        "stage": stage,
+        # DDP's default bucket (25 MB of fp32) for both reduce and gather: with DeepSpeed's
+        # 5e8-element defaults a ~100M model is one bucket, i.e. a full-size temporary buffer
+        "reduce_bucket_size": 6_250_000,
+        "allgather_bucket_size": 6_250_000,
+    }
+    if args.overlap_comm != "unset":
+        zero["overlap_comm"] = args.overlap_comm == "true"
     return {
         "train_micro_batch_size_per_gpu": args.micro,
         "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
-        # DDP's default bucket (25 MB of fp32) for both reduce and gather: with DeepSpeed's
-        # 5e8-element defaults a ~100M model is one bucket, i.e. a full-size temporary buffer
-        "zero_optimization": {
-            "stage": stage,
-            "reduce_bucket_size": 6_250_000,
-            "allgather_bucket_size": 6_250_000,
-        },
+        "zero_optimization": zero,
     }
 
 
@@ -187,6 +190,12 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument(
+        "--overlap_comm",
+        choices=["unset", "true", "false"],
+        default="unset",
+        help="zero_optimization.overlap_comm for the shardspeed modes (unset: config default)",
+    )
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2))
     args = ap.parse_args()
 

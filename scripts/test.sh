@@ -20,4 +20,5 @@ python -m pip install -q -e ".[dev]"
 
 ruff check shardspeed tests examples benchmarks
 ruff format --check shardspeed tests examples benchmarks
+mypy shardspeed
 python -m pytest -q "$@"

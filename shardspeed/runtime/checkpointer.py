@@ -125,6 +125,7 @@ def load(
                 "the same settings or pass load_optimizer_states=False"
             )
         saved = torch.load(shard_path, map_location="cpu", weights_only=False)
+        assert engine.optimizer is not None  # a shard name comes from the optimizer's strategy
         engine.optimizer.load_state_dict(saved["optimizer_state_dict"])
     elif load_optimizer_states and engine.optimizer is not None and state.get("optimizer"):
         engine.optimizer.load_state_dict(state["optimizer"])

@@ -8,7 +8,7 @@ per-module figures live in a side table keyed by module, so nothing is attached 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
@@ -235,7 +235,7 @@ def get_model_profile(
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         dtype = next((p.dtype for p in model.parameters()), torch.float32)
         call_args = [torch.ones(tuple(input_shape), device=device, dtype=dtype), *call_args]
-    run = model if mode == "forward" else model.generate
+    run: Callable[..., Any] = model if mode == "forward" else getattr(model, "generate")  # noqa: B009 - mypy sees nn.Module attributes as Tensors
     prof = FlopsProfiler(model)
     with torch.no_grad():
         for _ in range(max(0, warm_up)):

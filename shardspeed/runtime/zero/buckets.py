@@ -51,6 +51,11 @@ class GradBucket:
     def numel(self) -> int:
         return self.size
 
+    def flat(self) -> torch.Tensor:
+        """The flat buffer, which must be allocated (always so in views mode)."""
+        assert self.buffer is not None, f"bucket {self.index} has no buffer allocated"
+        return self.buffer
+
     def allocate(self) -> None:
         """Create the (zeroed) flat buffer and the per-parameter views into it."""
         self.buffer = torch.zeros(self.size, dtype=self.dtype, device=self.device)

@@ -28,7 +28,7 @@ from shardspeed import comm
 from shardspeed.runtime.precision.loss_scaler import has_inf_or_nan
 from shardspeed.runtime.precision.overflow import unscale_
 from shardspeed.runtime.zero.buckets import GradBucket, GradientBuckets
-from shardspeed.runtime.zero.partition import FlatPartition, Piece, allgather_batches
+from shardspeed.runtime.zero.partition import ChunkSlot, FlatPartition, Piece, allgather_batches
 from shardspeed.runtime.zero.stage0 import (
     comm_source,
     reduce_scale_factors,
@@ -66,6 +66,18 @@ class _Reduction:
     source: torch.Tensor
     output: torch.Tensor
     target: torch.Tensor
+
+
+@dataclass(eq=False)
+class _Gather:
+    """An all-gather of updated partitions in flight, and where its result goes."""
+
+    buckets: list[GradBucket]
+    slots: list[ChunkSlot]
+    work: Any
+    gathered: torch.Tensor
+    #: the sent tensor: kept alive until the gather completes
+    local: torch.Tensor
 
 
 class PartitionedStrategy(ZeroStrategy):
@@ -212,26 +224,42 @@ class PartitionedStrategy(ZeroStrategy):
 
     @torch.no_grad()
     def _gather_params(self) -> None:
-        """All-gather the updated partitions into the model parameters, batch by batch."""
-        world = self.ctx.dp_world_size
+        """All-gather the updated partitions into the model parameters, batch by batch; the
+        next batch's all-gather is in flight while this one is copied into the parameters."""
+        pending: _Gather | None = None
         for batch in self._gather_batches:
-            buckets = [self.buckets.buckets[i] for i in batch]
-            slots = [self.partition.chunks[i] for i in batch]
-            local = torch.cat([self.fp32_partitions[s.group][s.part_slice] for s in slots])
-            local = local.to(buckets[0].dtype)
-            gathered = torch.empty(world * local.numel(), dtype=local.dtype, device=local.device)
-            comm.all_gather_into_tensor(gathered, local, group=self.ctx.dp_group)
-            rows = gathered.view(world, local.numel())
-            column = 0
-            for bucket, slot in zip(buckets, slots, strict=True):
-                # rank r's chunk of the bucket is its flat elements [r*chunk, (r+1)*chunk)
-                flat = rows[:, column : column + slot.numel].reshape(-1)
-                column += slot.numel
-                values = [
-                    flat[offset : offset + p.numel()].view_as(p)
-                    for p, offset in zip(bucket.params, bucket.offsets, strict=True)
-                ]
-                torch._foreach_copy_([p.data for p in bucket.params], values)
+            launched = self._launch_gather(batch)
+            if pending is not None:
+                self._scatter_gathered(pending)
+            pending = launched
+        if pending is not None:
+            self._scatter_gathered(pending)
+
+    def _launch_gather(self, batch: list[int]) -> _Gather:
+        buckets = [self.buckets.buckets[i] for i in batch]
+        slots = [self.partition.chunks[i] for i in batch]
+        parts = [self.fp32_partitions[s.group][s.part_slice] for s in slots]
+        # one bucket: send its partition slice as is (no concatenation copy)
+        local = (parts[0] if len(parts) == 1 else torch.cat(parts)).to(buckets[0].dtype)
+        world = self.ctx.dp_world_size
+        gathered = torch.empty(world * local.numel(), dtype=local.dtype, device=local.device)
+        work = comm.all_gather_into_tensor(gathered, local, group=self.ctx.dp_group, async_op=True)
+        return _Gather(buckets, slots, work, gathered, local)
+
+    def _scatter_gathered(self, gather: _Gather) -> None:
+        """Wait for ``gather`` and copy every rank's chunks into the parameters they belong to."""
+        gather.work.wait()
+        rows = gather.gathered.view(self.ctx.dp_world_size, gather.local.numel())
+        column = 0
+        for bucket, slot in zip(gather.buckets, gather.slots, strict=True):
+            # rank r's chunk of the bucket is its flat elements [r*chunk, (r+1)*chunk)
+            flat = rows[:, column : column + slot.numel].reshape(-1)
+            column += slot.numel
+            values = [
+                flat[offset : offset + p.numel()].view_as(p)
+                for p, offset in zip(bucket.params, bucket.offsets, strict=True)
+            ]
+            torch._foreach_copy_([p.data for p in bucket.params], values)
 
     @torch.no_grad()
     def _fill_masters_from_model(self) -> None:

@@ -76,7 +76,7 @@ class ReplicatedStrategy(ZeroStrategy):
         self.buckets.begin(reduce and self.ctx.dp_world_size > 1)
 
     def _launch(self, bucket: GradBucket) -> None:
-        staging = comm_source(bucket.buffer, self.ctx, self._pre_scale)
+        staging = comm_source(bucket.flat(), self.ctx, self._pre_scale)
         work = comm.all_reduce(staging, group=self.ctx.dp_group, async_op=True)
         bucket.inflight = (work, staging)
 
@@ -84,10 +84,11 @@ class ReplicatedStrategy(ZeroStrategy):
         for bucket in self.buckets.flush():
             work, staging = bucket.inflight
             work.wait()
-            if staging is not bucket.buffer:
-                bucket.buffer.copy_(staging)
+            flat = bucket.flat()
+            if staging is not flat:
+                flat.copy_(staging)
             if self._post_scale != 1.0:
-                bucket.buffer.mul_(self._post_scale)
+                flat.mul_(self._post_scale)
             bucket.inflight = None
 
     # -- step -----------------------------------------------------------------------------
