@@ -137,6 +137,7 @@ class DeepSpeedEngine(nn.Module):
             ),
             zero_config=zero,
             allow_untested_optimizer=bool(self._config.zero_allow_untested_optimizer),
+            grad_accum_dtype=self._config.data_types.grad_accum_dtype,
         )
         strategy = build_strategy(self.module, basic_optimizer, ctx)
         scaler = loss_scaler_for_policy(self.precision, self._config.fp16)

@@ -100,3 +100,80 @@ def bf16_masters_follow() -> None:
 
 def test_bf16_master_weights_are_fp32_and_model_follows(dist_pool):
     dist_pool(2).run(bf16_masters_follow)
+
+
+def bf16_gradients_accumulate_in_fp32(grad_accum_dtype: str | None) -> dict[str, object]:
+    """Stage 0, bf16, 4 micro-batches: the reduced gradient equals the fp32 sum of each
+    micro-batch's bf16 gradient (DeepSpeed's bf16 default), or the bf16 running sum when
+    ``data_types.grad_accum_dtype`` is "bf16"."""
+    from shardspeed.utils import safe_get_full_grad
+
+    torch.manual_seed(0)
+    model = MLP(width=8)
+    twin = MLP(width=8).bfloat16()
+    twin.load_state_dict(model.state_dict())
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 4,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "bf16": {"enabled": True},
+    }
+    if grad_accum_dtype is not None:
+        config["data_types"] = {"grad_accum_dtype": grad_accum_dtype}
+    engine, *_ = shardspeed.initialize(model=model, config=config)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    expected = [torch.zeros_like(p, dtype=torch.float32) for p in twin.parameters()]
+    for micro in range(4):
+        x = torch.randn(2, 8, generator=gen).bfloat16()
+        y = torch.randn(2, 1, generator=gen).bfloat16()
+        twin.zero_grad()
+        (twin(x, y) / 4).backward()
+        for acc, p in zip(expected, twin.parameters(), strict=True):
+            acc += p.grad.float()
+        engine.backward(engine(x, y))
+        bf16_grads_kept = [p.grad is not None for p in engine.module.parameters()]
+        if micro < 3:
+            engine.step()
+    grads = [safe_get_full_grad(p) for p in engine.module.parameters()]
+    for acc in expected:
+        dist.all_reduce(acc)
+        acc /= dist.get_world_size()
+    engine.step()
+    engine.destroy()
+    return {
+        "dtypes": sorted({str(g.dtype) for g in grads}),
+        "kept": bf16_grads_kept,
+        "max_err": max(
+            (g.float() - e).abs().max().item() for g, e in zip(grads, expected, strict=True)
+        ),
+    }
+
+
+def test_bf16_stage0_accumulates_gradients_in_fp32(dist_pool):
+    pool = dist_pool(2)
+    fp32 = pool.run(bf16_gradients_accumulate_in_fp32, None)[0]
+    assert fp32["dtypes"] == ["torch.float32"]
+    assert not any(fp32["kept"])  # each micro-batch's bf16 gradient is folded in and dropped
+    assert fp32["max_err"] < 1e-6  # equals the fp32 sum of the bf16 micro-batch gradients
+    bf16 = pool.run(bf16_gradients_accumulate_in_fp32, "bf16")[0]
+    assert bf16["dtypes"] == ["torch.bfloat16"] and all(bf16["kept"])
+
+
+def bad_grad_accum_dtype() -> str:
+    try:
+        shardspeed.initialize(
+            model=MLP(width=8),
+            config={
+                "train_batch_size": 4,
+                "optimizer": {"type": "AdamW", "params": {}},
+                "data_types": {"grad_accum_dtype": "fp16"},
+            },
+        )
+    except ValueError as err:
+        return str(err)
+    return ""
+
+
+def test_unsupported_grad_accum_dtype_is_a_clear_error(dist_pool):
+    message = dist_pool(2).run(bad_grad_accum_dtype)[0]
+    assert "data_types.grad_accum_dtype=float16" in message and "float32" in message

@@ -5,6 +5,9 @@ Two ways to hold gradients:
 * **views** (stages 0 and 1): each trainable parameter's ``.grad`` is a view into one persistent
   flat buffer per bucket, so autograd accumulates straight into the buffer and a bucket is reduced
   in place with a single collective, with no copy in or out.
+* **accumulate** (a bucket dtype wider than the parameters', e.g. fp32 for a bf16 model, as
+  DeepSpeed's bf16 optimizer accumulates): the persistent flat buffer is in the wider dtype;
+  each micro-batch's gradient is added into it as soon as it is final and ``.grad`` is dropped.
 * **staged** (stage 2): ``.grad`` is autograd's own tensor while gradients accumulate locally; in a
   reducing backward each gradient is copied into its bucket's buffer as soon as it is final and
   ``.grad`` is dropped. A bucket's buffer exists only from its first gradient until the strategy
@@ -50,6 +53,11 @@ class GradBucket:
     @property
     def numel(self) -> int:
         return self.size
+
+    @property
+    def accumulates(self) -> bool:
+        """Whether the buffer is wider than the parameters (accumulate mode)."""
+        return self.dtype != self.params[0].dtype
 
     def flat(self) -> torch.Tensor:
         """The flat buffer, which must be allocated (always so in views mode)."""
@@ -107,7 +115,10 @@ class GradientBuckets:
         pad_to: int = 1,
         split_key: Callable[[nn.Parameter], Hashable] | None = None,
         staged: bool = False,
+        dtype: torch.dtype | None = None,
     ) -> None:
+        """``dtype``: the buffers' dtype (default: the parameters'); a different one selects
+        accumulate mode for the buckets that are not staged."""
         self._launch = launch
         self.staged = staged
         self.buckets: list[GradBucket] = []
@@ -119,19 +130,22 @@ class GradientBuckets:
                 offsets.append(total)
                 total += param.numel()
             size = -(-total // pad_to) * pad_to
-            bucket = GradBucket(index, run, offsets, size, run[0].dtype, run[0].device)
+            bucket = GradBucket(index, run, offsets, size, dtype or run[0].dtype, run[0].device)
             self.buckets.append(bucket)
             for position, param in enumerate(run):
                 self._slot[param] = (bucket, position)
         self._next_launch = 0
         self._reducing = False
+        #: parameters whose gradient this reducing backward has already counted
+        self._arrived: set[nn.Parameter] = set()
         self._handles = [
             p.register_post_accumulate_grad_hook(self._on_grad_accumulated) for p in self._slot
         ]
         if not staged:
             for bucket in self.buckets:
                 bucket.allocate()
-                self._attach_all(bucket)
+                if not bucket.accumulates:
+                    self._attach_all(bucket)
 
     @property
     def numel(self) -> int:
@@ -141,6 +155,7 @@ class GradientBuckets:
         """Start a backward pass; buckets are launched during it only if ``reduce``."""
         self._reducing = reduce
         self._next_launch = 0
+        self._arrived.clear()
         for bucket in self.buckets:
             bucket.pending = len(bucket.params)
             bucket.launched = False
@@ -158,6 +173,9 @@ class GradientBuckets:
                 for param in bucket.params:
                     if param.grad is not None:
                         self._stage(bucket, param)
+            elif bucket.accumulates:
+                for param in bucket.params:
+                    self._absorb(bucket, param)
             else:
                 self._attach_all(bucket)
             bucket.pending = 0
@@ -167,14 +185,14 @@ class GradientBuckets:
 
     def zero_(self) -> None:
         """Forget every gradient: zero the buffers in place, keeping the ``.grad`` views attached
-        (views mode), or drop the locally accumulated ``.grad`` tensors (staged mode)."""
+        (views mode), or drop the ``.grad`` tensors (accumulate and staged modes)."""
         for bucket in self.buckets:
-            if self.staged:
+            if not self.staged:
+                bucket.flat().zero_()
+            if self.staged or bucket.accumulates:
                 for param in bucket.params:
                     param.grad = None
             else:
-                assert bucket.buffer is not None
-                bucket.buffer.zero_()
                 self._attach_all(bucket)
 
     def release(self, bucket: GradBucket) -> None:
@@ -185,6 +203,18 @@ class GradientBuckets:
 
     def grads(self) -> list[torch.Tensor]:
         return [view for bucket in self.buckets for view in bucket.views]
+
+    def grad_of(self, param: nn.Parameter) -> torch.Tensor | None:
+        """``param``'s locally accumulated gradient: its buffer view in views and accumulate
+        modes, autograd's ``.grad`` in staged mode."""
+        if self.staged:
+            return param.grad
+        return self.view_of(param)
+
+    def view_of(self, param: nn.Parameter) -> torch.Tensor:
+        """``param``'s gradient in its bucket buffer (allocated buckets only)."""
+        bucket, position = self._slot[param]
+        return bucket.views[position]
 
     def remove_hooks(self) -> None:
         for handle in self._handles:
@@ -203,6 +233,13 @@ class GradientBuckets:
             # dropping the reference frees the full-size gradient: only buckets stay allocated
             param.grad = None
 
+    def _absorb(self, bucket: GradBucket, param: nn.Parameter) -> None:
+        """Add ``param``'s gradient into the wider accumulation buffer and drop ``.grad``."""
+        grad = param.grad
+        if grad is not None:
+            bucket.views[self._slot[param][1]].add_(grad)
+            param.grad = None
+
     @staticmethod
     def _attach(param: nn.Parameter, view: torch.Tensor) -> None:
         """Make ``param.grad`` the bucket view, keeping whatever gradient it holds."""
@@ -218,10 +255,26 @@ class GradientBuckets:
 
     def _on_grad_accumulated(self, param: torch.Tensor) -> None:
         bucket, position = self._slot[param]  # type: ignore[index]
-        if not self.staged:
+        if bucket.accumulates and not self.staged:
+            self._absorb(bucket, param)  # type: ignore[arg-type]
+        elif not self.staged:
             self._attach(param, bucket.views[position])  # type: ignore[arg-type]
         if not self._reducing:
             return
+        if param in self._arrived:
+            # Reentrant activation checkpointing runs a nested backward per checkpoint, so a
+            # parameter used inside a checkpoint and outside it (or in two) gets one gradient
+            # per backward. Its bucket may be reduced already, and staging would overwrite the
+            # first part: the reduced gradient would be silently wrong.
+            raise RuntimeError(
+                f"a parameter of shape {tuple(param.shape)} received its gradient twice in one "
+                "reducing backward: it is shared between a reentrant activation checkpoint "
+                "(shardspeed.checkpointing.checkpoint) and code outside it or another checkpoint. "
+                "Gradients are reduced as soon as they are ready, so this is not supported "
+                "(DeepSpeed: 'Gradient computed twice for this partition'); checkpoint blocks "
+                "that share parameters with shardspeed.checkpointing.non_reentrant_checkpoint."
+            )
+        self._arrived.add(param)  # type: ignore[arg-type]
         if self.staged:
             if bucket.buffer is None:
                 bucket.allocate()

@@ -30,6 +30,7 @@ from shardspeed.runtime.precision.overflow import unscale_
 from shardspeed.runtime.zero.buckets import GradBucket, GradientBuckets
 from shardspeed.runtime.zero.partition import ChunkSlot, FlatPartition, Piece, allgather_batches
 from shardspeed.runtime.zero.stage0 import (
+    accumulation_dtype,
     comm_source,
     reduce_scale_factors,
     scale_grads_,
@@ -109,6 +110,7 @@ class PartitionedStrategy(ZeroStrategy):
             pad_to=ctx.dp_world_size,
             split_key=lambda p: self._group_of[id(p)],
             staged=self.staged_gradients,
+            dtype=accumulation_dtype(ctx, ctx.precision.param_dtype),
         )
         self.partition = FlatPartition(
             self.buckets.buckets,

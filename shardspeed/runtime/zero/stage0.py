@@ -16,6 +16,7 @@ from torch import nn
 from shardspeed import comm
 from shardspeed.runtime.precision.loss_scaler import has_inf_or_nan
 from shardspeed.runtime.precision.master_weights import MasterWeights
+from shardspeed.runtime.precision.overflow import unscale_
 from shardspeed.runtime.zero.buckets import GradBucket, GradientBuckets
 from shardspeed.runtime.zero.strategy import ParamFragment, StrategyContext, ZeroStrategy
 
@@ -54,6 +55,20 @@ def scale_grads_(grads: list[torch.Tensor], coef: torch.Tensor) -> None:
         torch._foreach_mul_(grads, coef.to(grads[0].device))
 
 
+def accumulation_dtype(ctx: StrategyContext, default: torch.dtype) -> torch.dtype:
+    """``data_types.grad_accum_dtype`` if given, else ``default``; it must be the model's
+    dtype or the fp32 master dtype."""
+    requested = ctx.grad_accum_dtype or default
+    allowed = {ctx.precision.param_dtype, ctx.precision.master_dtype}
+    if requested not in allowed:
+        names = " or ".join(sorted(str(d).removeprefix("torch.") for d in allowed))
+        raise ValueError(
+            f"data_types.grad_accum_dtype={str(requested).removeprefix('torch.')} is not "
+            f"supported with this precision setup; use {names}"
+        )
+    return requested
+
+
 class ReplicatedStrategy(ZeroStrategy):
     """Stage 0: replicate everything, all-reduce gradients bucket by bucket."""
 
@@ -63,7 +78,19 @@ class ReplicatedStrategy(ZeroStrategy):
         super().__init__(module, optimizer, ctx)
         params = trainable_params(module, optimizer)
         self._pre_scale, self._post_scale = reduce_scale_factors(ctx)
-        self.buckets = GradientBuckets(list(reversed(params)), ctx.reduce.bucket_size, self._launch)
+        policy = ctx.precision
+        # DeepSpeed's bf16 optimizer accumulates gradients in fp32 by default; fp16 and fp32
+        # accumulate in the model's dtype
+        default = (
+            policy.master_dtype if policy.param_dtype == torch.bfloat16 else policy.param_dtype
+        )
+        self.buckets = GradientBuckets(
+            list(reversed(params)),
+            ctx.reduce.bucket_size,
+            self._launch,
+            dtype=accumulation_dtype(ctx, default),
+        )
+        self._reduced = False
         self.masters = MasterWeights.from_policy(params, ctx.precision)
         self.masters.rebind_optimizer(optimizer)
         self._master_of = {
@@ -81,7 +108,9 @@ class ReplicatedStrategy(ZeroStrategy):
         bucket.inflight = (work, staging)
 
     def end_backward(self) -> None:
-        for bucket in self.buckets.flush():
+        buckets = self.buckets.flush()
+        self._reduced = self._reduced or bool(buckets)
+        for bucket in buckets:
             work, staging = bucket.inflight
             work.wait()
             flat = bucket.flat()
@@ -96,9 +125,24 @@ class ReplicatedStrategy(ZeroStrategy):
         return [p.grad for p in self.masters.master_params if p.grad is not None]
 
     def prepare_step(self, inv_loss_scale: float) -> None:
+        if self.ctx.dp_world_size > 1 and not self._reduced:
+            # e.g. a direct loss.backward(), or no_sync() around the boundary micro-batch: the
+            # ranks' gradients were never averaged, and stepping would let the replicas diverge
+            raise RuntimeError(
+                "ZeRO stage 0: the optimizer step needs gradients averaged by engine.backward() "
+                "at the accumulation boundary, outside engine.no_sync(); call "
+                "engine.backward(loss) (not loss.backward()) before engine.step()"
+            )
         if self.masters.is_identity:
             if inv_loss_scale != 1.0:
                 torch._foreach_mul_(self._step_grads(), inv_loss_scale)
+        elif self.buckets.buckets and self.buckets.buckets[0].accumulates:
+            # the buckets already hold master-dtype gradients: use them, no copy
+            for master, param in zip(
+                self.masters.master_params, self.masters.model_params, strict=True
+            ):
+                master.grad = self.buckets.view_of(param)  # type: ignore[arg-type]
+            unscale_(self._step_grads(), inv_loss_scale)
         else:
             self.masters.copy_grads_to_master(inv_loss_scale)
 
@@ -123,6 +167,7 @@ class ReplicatedStrategy(ZeroStrategy):
     def zero_grad(self, set_to_none: bool = True) -> None:
         del set_to_none  # the gradient buffers are reused; zeroing them in place is cheaper
         self.buckets.zero_()
+        self._reduced = False
         if not self.masters.is_identity:
             for master in self.masters.master_params:
                 master.grad = None
@@ -131,7 +176,7 @@ class ReplicatedStrategy(ZeroStrategy):
         master = self._master_of.get(id(param))
         if master is None:
             return None
-        grad = param.grad
+        grad = self.buckets.grad_of(param)
         whole = slice(0, param.numel())
         return ParamFragment(
             param_slice=whole,

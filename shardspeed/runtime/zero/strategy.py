@@ -60,6 +60,8 @@ class StrategyContext:
     zero_config: Any = None
     #: the ``zero_allow_untested_optimizer`` flag
     allow_untested_optimizer: bool = False
+    #: ``data_types.grad_accum_dtype`` (None: the strategy's default)
+    grad_accum_dtype: torch.dtype | None = None
 
 
 @dataclass(frozen=True)

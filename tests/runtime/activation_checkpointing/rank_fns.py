@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -12,7 +13,14 @@ import shardspeed.checkpointing as ckpt
 from examples.gpt_model import GPT, GPTConfig, synthetic_tokens
 from shardspeed import comm
 from shardspeed.runtime.activation_checkpointing import partition, state
-from tests.runtime.activation_checkpointing.models import Checkpointed, count_saved, deep_mlp
+from shardspeed.utils import safe_get_full_grad
+from tests.runtime.activation_checkpointing.models import (
+    Checkpointed,
+    assert_same,
+    count_saved,
+    deep_mlp,
+    grads,
+)
 
 
 class WorldMPU:
@@ -91,40 +99,164 @@ ENGINE_CONFIG = {
 }
 
 
-def _train(enabled: bool, steps: int) -> tuple[list[float], list[torch.Tensor], int]:
+@dataclass
+class GPTRun:
+    """What one training run of the tiny GPT through the engine produced on this rank."""
+
+    losses: list[torch.Tensor]
+    #: ``.grad`` after the first micro-step, not reduced yet (empty when it is a boundary)
+    local_grads: list[torch.Tensor]
+    #: ``safe_get_full_grad`` of every parameter at the first accumulation boundary
+    reduced_grads: list[torch.Tensor]
+    params: list[torch.Tensor]
+    stats: ckpt.CheckpointStats
+
+
+def train_gpt(config: dict[str, Any], checkpointing: bool, mpu: Any, steps: int) -> GPTRun:
+    """``steps`` optimizer steps of ``GPT(TINY)`` through ``shardspeed.initialize(config)``, its
+    blocks checkpointed or not; ``configure(mpu, deepspeed_config=engine.config)`` when they are.
+
+    Ranks of one model-parallel group of ``mpu`` form one data-parallel replica: they read the
+    same batches and seed the default stream alike (``model_parallel_cuda_manual_seed``), so
+    their activations (and dropout masks) agree and can be partitioned across them, as in
+    Megatron. Replicas read different batches and draw different masks. Weights, data and masks
+    do not depend on ``checkpointing``.
+    """
     _fresh()
     torch.manual_seed(0)
     model = GPT(TINY)
-    model.blocks = nn.ModuleList(Checkpointed(b, enabled) for b in model.blocks)
-    engine, *_ = shardspeed.initialize(model=model, config=ENGINE_CONFIG)
-    if enabled:
-        ckpt.configure(None, deepspeed_config=engine.config)
-    data = synthetic_tokens(steps * 4 * comm.get_world_size(), TINY, seed=3)
-    tokens, targets = data.tensors
-    torch.manual_seed(100 + comm.get_rank())  # dropout differs per rank, same in both runs
-    losses = []
-    for step in range(steps):
-        rows = slice((step * comm.get_world_size() + comm.get_rank()) * 4, None)
-        loss = engine(tokens[rows][:4], targets[rows][:4])
+    model.blocks = nn.ModuleList(Checkpointed(b, checkpointing) for b in model.blocks)
+    engine, *_ = shardspeed.initialize(model=model, config=config)
+    assert engine.zero_optimization_stage() == config.get("zero_optimization", {}).get("stage", 0)
+    if checkpointing:
+        ckpt.configure(mpu, deepspeed_config=engine.config)
+    mp_size = 1 if mpu is None else mpu.get_model_parallel_world_size()
+    replicas, replica = comm.get_world_size() // mp_size, comm.get_rank() // mp_size
+    micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    tokens, targets = synthetic_tokens(steps * gas * micro * replicas, TINY, seed=3).tensors
+    ckpt.model_parallel_cuda_manual_seed(100 + replica)
+    run = GPTRun([], [], [], [], ckpt.get_stats())
+    for micro_step in range(steps * gas):
+        rows = slice((micro_step * replicas + replica) * micro, None)
+        loss = engine(tokens[rows][:micro], targets[rows][:micro])
         engine.backward(loss)
+        if micro_step == 0 and gas > 1:
+            run.local_grads = grads(model)
+        if micro_step == gas - 1:
+            # a collective under ZeRO 1/2 (stage 2 keeps no full .grad): valid between the
+            # reducing backward and step()
+            reduced = [safe_get_full_grad(p) for p in model.parameters()]
+            run.reduced_grads = [g for g in reduced if g is not None]
+            assert len(run.reduced_grads) == len(reduced)
         engine.step()
-        losses.append(loss.item())
-    params = [p.detach().clone() for p in model.parameters()]
-    stats = ckpt.get_stats()
-    # every block input went through partition, contiguous buffer and host placement
-    assert stats.partitioned_tensors == stats.offloaded_tensors == stats.checkpoints
-    checkpoints = stats.checkpoints
+        run.losses.append(loss.detach().clone())
+    run.params = [p.detach().clone() for p in model.parameters()]
+    run.stats = ckpt.get_stats()
     engine.destroy()
     _fresh()
-    return losses, params, checkpoints
+    return run
+
+
+def differences(reference: GPTRun, run: GPTRun) -> list[str]:
+    """What ``run`` does not reproduce bitwise of ``reference`` (empty when nothing)."""
+    found = []
+    for what in ("losses", "local_grads", "reduced_grads", "params"):
+        try:
+            assert_same(getattr(reference, what), getattr(run, what))
+        except AssertionError as error:
+            found.append(f"{what}: {error}")
+    return found
 
 
 def engine_parity(steps: int) -> dict[str, Any]:
     """Train with and without checkpointing through the engine; compare step by step."""
-    ref_losses, ref_params, _ = _train(False, steps)
-    losses, params, checkpoints = _train(True, steps)
-    assert checkpoints == steps * TINY.n_layer
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
-    for p, q in zip(params, ref_params, strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
-    return {"losses": losses}
+    reference = train_gpt(ENGINE_CONFIG, False, None, steps)
+    run = train_gpt(ENGINE_CONFIG, True, None, steps)
+    stats = run.stats
+    assert stats.checkpoints == steps * TINY.n_layer
+    # every block input went through partition, contiguous buffer and host placement
+    assert stats.partitioned_tensors == stats.offloaded_tensors == stats.checkpoints
+    found = differences(reference, run)
+    assert not found, found
+    return {"losses": [loss.item() for loss in run.losses]}
+
+
+#: ``activation_checkpointing`` sections of the GPT parity runs; partitioning spans the world
+GPT_CHECKPOINTING: dict[str, dict[str, Any]] = {
+    "plain": {},
+    "partition": {"partition_activations": True},
+    "cpu": {"cpu_checkpointing": True},
+    "partition+cpu+contiguous": {
+        "partition_activations": True,
+        "cpu_checkpointing": True,
+        "contiguous_memory_optimization": True,
+        "number_checkpoints": TINY.n_layer,
+    },
+}
+
+
+def gpt_checkpointing_parity(stage: int, steps: int) -> dict[str, dict[str, Any]]:
+    """For every section of ``GPT_CHECKPOINTING``: train with it under ZeRO ``stage`` and compare
+    bitwise with the same training without checkpointing. Returns, per section, the differences
+    found and the checkpoint counters."""
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "optimizer": ENGINE_CONFIG["optimizer"],
+        "zero_optimization": {"stage": stage},
+    }
+    references: dict[bool, GPTRun] = {}
+    results = {}
+    for name, section in GPT_CHECKPOINTING.items():
+        # Partitioning splits each block input across the model-parallel group, which must then
+        # hold identical activations: all ranks form that group (one replica, same data and
+        # masks) and data parallelism reduces over the same ranks. Without it every rank is a
+        # replica of its own.
+        partitioned = bool(section.get("partition_activations"))
+        mpu = WorldMPU() if partitioned else None
+        if partitioned not in references:
+            references[partitioned] = train_gpt(config, False, mpu, steps)
+        run = train_gpt({**config, "activation_checkpointing": section}, True, mpu, steps)
+        stats = run.stats
+        results[name] = {
+            "differences": differences(references[partitioned], run),
+            "checkpoints": stats.checkpoints,
+            "recomputes": stats.recomputes,
+            "partitioned": stats.partitioned_tensors,
+            "offloaded": stats.offloaded_tensors,
+        }
+    return results
+
+
+class SharedAcrossCheckpoint(nn.Module):
+    """One linear layer called inside a checkpointed block and again outside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(ckpt.checkpoint(self.shared, x))
+        return self.shared(h).square().mean()
+
+
+def shared_param_across_checkpoint(stage: int) -> str:
+    """The error a reducing backward raises when reentrant checkpointing accumulates a shared
+    parameter's gradient twice ("" when it raises none)."""
+    _fresh()
+    torch.manual_seed(0)
+    model = SharedAcrossCheckpoint()
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": ENGINE_CONFIG["optimizer"],
+        "zero_optimization": {"stage": stage},
+    }
+    engine, *_ = shardspeed.initialize(model=model, config=config)
+    try:
+        engine.backward(engine(torch.randn(2, 8)))
+    except RuntimeError as error:
+        return str(error)
+    finally:
+        engine.destroy()
+        _fresh()
+    return ""

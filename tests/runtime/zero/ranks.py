@@ -34,7 +34,9 @@ def _precision(dtype: str) -> dict[str, Any]:
     if dtype == "fp16":
         return {"fp16": {"enabled": True, "initial_scale_power": 8}}
     if dtype == "bf16":
-        return {"bf16": {"enabled": True}}
+        # stage 0 accumulates bf16 gradients in fp32 by default (as DeepSpeed's bf16
+        # optimizer); stages 1/2 default to the model dtype: compare like with like
+        return {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}
     return {}
 
 
