@@ -153,7 +153,7 @@ def _rank_main(
         "params": params,
         "step_s": statistics.median(times),
         "peak_rss_mb": _peak_rss_mb(),
-        "rss_before_model_mb": base_rss,
+        "rss_model_built_mb": base_rss,
         "peak_device_mb": torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
     }
     queue.put(result)
@@ -224,6 +224,11 @@ def main() -> None:
                 round(max(rnd[i]["peak_rss_mb"] for rnd in rounds), 1) for i in range(args.world)
             ],
             "peak_device_mb_per_rank": [rounds[-1][i]["peak_device_mb"] for i in range(args.world)],
+            # the process once the fp32 model is built, before the engine/DDP wraps it: peak
+            # minus this is what training added
+            "rss_model_built_mb_per_rank": [
+                round(rounds[-1][i]["rss_model_built_mb"], 1) for i in range(args.world)
+            ],
             "model_state_mb_per_rank_theory": round(
                 model_state_bytes(mode, summary["params"], args.world) / 2**20, 1
             ),
