@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 from typing import Any
 
@@ -10,10 +9,10 @@ import torch
 
 from shardspeed.accelerator.abstract_accelerator import DeepSpeedAccelerator
 from shardspeed.accelerator.host_memory import HostMemoryTracker
-from shardspeed.accelerator.host_streams import HostEvent, HostStream, default_host_stream
+from shardspeed.accelerator.host_streams import HostEvent, HostStreamsMixin
 
 
-class CPU_Accelerator(DeepSpeedAccelerator):  # noqa: N801 - DeepSpeed's class name
+class CPU_Accelerator(HostStreamsMixin, DeepSpeedAccelerator):  # noqa: N801 - DeepSpeed's class name
     """Runs everything on the host.
 
     ``device_count()`` is the number of ranks sharing this machine: ``device_count`` given to the
@@ -72,19 +71,6 @@ class CPU_Accelerator(DeepSpeedAccelerator):  # noqa: N801 - DeepSpeed's class n
         return torch.default_generator
 
     # streams and events
-    @property
-    def Stream(self) -> type:  # noqa: N802 - DeepSpeed's name
-        return HostStream
-
-    def stream(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
-        return contextlib.nullcontext(stream)
-
-    def current_stream(self, device_index: int | None = None) -> HostStream:
-        return default_host_stream()
-
-    def default_stream(self, device_index: int | None = None) -> HostStream:
-        return default_host_stream()
-
     @property
     def Event(self) -> type:  # noqa: N802 - DeepSpeed's name
         return HostEvent

@@ -6,6 +6,7 @@ code written for CUDA streams working, and an event timestamps the host clock wh
 
 from __future__ import annotations
 
+import contextlib
 import time
 from types import TracebackType
 from typing import Any
@@ -85,3 +86,21 @@ class HostEvent:
         if self._time_ns is None or end_event._time_ns is None:
             raise RuntimeError("both events must be recorded before elapsed_time() is called")
         return (end_event._time_ns - self._time_ns) / 1e6
+
+
+class HostStreamsMixin:
+    """Stream methods of an accelerator whose work is ordered by the host (CPU; MPS, whose
+    command queue is implicit): streams are no-op contexts and the current stream is shared."""
+
+    @property
+    def Stream(self) -> type:  # noqa: N802 - DeepSpeed's name
+        return HostStream
+
+    def stream(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext(stream)
+
+    def current_stream(self, device_index: int | None = None) -> HostStream:
+        return default_host_stream()
+
+    def default_stream(self, device_index: int | None = None) -> HostStream:
+        return default_host_stream()

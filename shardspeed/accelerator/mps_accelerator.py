@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import psutil
 import torch
 
 from shardspeed.accelerator.abstract_accelerator import DeepSpeedAccelerator
-from shardspeed.accelerator.host_streams import HostStream, default_host_stream
+from shardspeed.accelerator.host_streams import HostStreamsMixin
 
 
-class MPS_Accelerator(DeepSpeedAccelerator):  # noqa: N801 - DeepSpeed's class name
+class MPS_Accelerator(HostStreamsMixin, DeepSpeedAccelerator):  # noqa: N801 - DeepSpeed's class name
     """A single Metal device.
 
     MPS exposes no user streams, so the stream API is the host no-op one, and its memory is the
@@ -65,19 +64,6 @@ class MPS_Accelerator(DeepSpeedAccelerator):  # noqa: N801 - DeepSpeed's class n
         return torch.default_generator
 
     # streams and events
-    @property
-    def Stream(self) -> type:  # noqa: N802 - DeepSpeed's name
-        return HostStream
-
-    def stream(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
-        return contextlib.nullcontext(stream)
-
-    def current_stream(self, device_index: int | None = None) -> HostStream:
-        return default_host_stream()
-
-    def default_stream(self, device_index: int | None = None) -> HostStream:
-        return default_host_stream()
-
     @property
     def Event(self) -> type:  # noqa: N802 - DeepSpeed's name
         return torch.mps.Event
