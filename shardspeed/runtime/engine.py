@@ -71,6 +71,7 @@ class DeepSpeedEngine(nn.Module):
         self.skipped_steps = 0
         self._step_applied = False
         self._no_sync = False
+        self._coalescing = False
         self._boundary_override: bool | None = None
 
         self._setup_data_parallel_group(mpu)
@@ -187,7 +188,8 @@ class DeepSpeedEngine(nn.Module):
                 loss = loss / gas
             strategy = self.optimizer.strategy
             strategy.begin_backward(
-                reduce=self.is_gradient_accumulation_boundary() and not self._no_sync
+                reduce=self.is_gradient_accumulation_boundary()
+                and not (self._no_sync or self._coalescing)
             )
             with self.observability.phase(BACKWARD_INNER_GLOBAL_TIMER):
                 self.optimizer.scale_loss(loss).backward(retain_graph=retain_graph)
@@ -197,6 +199,11 @@ class DeepSpeedEngine(nn.Module):
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """Update the weights if this micro-step ends a gradient-accumulation window."""
+        if self._coalescing:
+            raise RuntimeError(
+                "engine.step() inside coalesce_grad_reduction(): gradients are reduced when the "
+                "block exits, so call step() after it"
+            )
         self._step_applied = False
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
@@ -243,6 +250,28 @@ class DeepSpeedEngine(nn.Module):
             yield
         finally:
             self._no_sync = False
+
+    @contextmanager
+    def coalesce_grad_reduction(self) -> Iterator[None]:
+        """Inside the block, ``backward()`` calls only accumulate locally; on exit, at an
+        accumulation boundary, one reduction covers all of them (same result as reducing per
+        backward, one collective pass instead of N). ``step()`` must come after the block."""
+        if self.optimizer is None:
+            raise RuntimeError("coalesce_grad_reduction() needs an optimizer")
+        if self._no_sync:
+            raise RuntimeError("coalesce_grad_reduction() cannot be used inside no_sync()")
+        if self._coalescing:
+            raise RuntimeError("coalesce_grad_reduction() blocks cannot be nested")
+        self._coalescing = True
+        try:
+            yield
+        finally:
+            self._coalescing = False
+        if self.is_gradient_accumulation_boundary():
+            # a reduction with no backward: every bucket is launched by the flush
+            strategy = self.optimizer.strategy
+            strategy.begin_backward(reduce=True)
+            strategy.end_backward()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.optimizer is not None:
