@@ -46,13 +46,8 @@ class GradBucket:
     buffer: torch.Tensor | None = None
     views: list[torch.Tensor] = field(default_factory=list)
     pending: int = 0
-    launched: bool = False
     #: whatever the launcher needs to finish the collective (work handle, staging tensor)
     inflight: Any = field(default=None, repr=False)
-
-    @property
-    def numel(self) -> int:
-        return self.size
 
     @property
     def accumulates(self) -> bool:
@@ -147,10 +142,6 @@ class GradientBuckets:
                 if not bucket.accumulates:
                     self._attach_all(bucket)
 
-    @property
-    def numel(self) -> int:
-        return sum(b.numel for b in self.buckets)
-
     def begin(self, reduce: bool) -> None:
         """Start a backward pass; buckets are launched during it only if ``reduce``."""
         self._reducing = reduce
@@ -158,7 +149,6 @@ class GradientBuckets:
         self._arrived.clear()
         for bucket in self.buckets:
             bucket.pending = len(bucket.params)
-            bucket.launched = False
 
     def flush(self) -> list[GradBucket]:
         """Launch every bucket not yet launched (parameters unused in this backward contribute
@@ -200,9 +190,6 @@ class GradientBuckets:
         if self.staged:
             bucket.buffer = None
             bucket.views = []
-
-    def grads(self) -> list[torch.Tensor]:
-        return [view for bucket in self.buckets for view in bucket.views]
 
     def grad_of(self, param: nn.Parameter) -> torch.Tensor | None:
         """``param``'s locally accumulated gradient: its buffer view in views and accumulate
@@ -288,6 +275,5 @@ class GradientBuckets:
             bucket = self.buckets[self._next_launch]
             if bucket.pending > 0:
                 return
-            bucket.launched = True
             self._launch(bucket)
             self._next_launch += 1

@@ -146,7 +146,7 @@ def memory_accounting(stage: int) -> dict[str, int]:
     x = torch.randint(TINY_GPT.vocab_size, (2, TINY_GPT.block_size))
     engine.backward(engine(x, x))
     held_model_grads = sum(p.grad.numel() for p in model.parameters() if p.grad is not None)
-    bucket_buffers = sum(b.numel for b in strategy.buckets.buckets if b.buffer is not None)
+    bucket_buffers = sum(b.size for b in strategy.buckets.buckets if b.buffer is not None)
     engine.step()
     state_elems = {
         key: sum(s[key].numel() for s in engine.optimizer.state.values())
@@ -160,7 +160,7 @@ def memory_accounting(stage: int) -> dict[str, int]:
         "master_partition": sum(m.numel() for m in strategy.fp32_partitions),
         "exp_avg": state_elems["exp_avg"],
         "exp_avg_sq": state_elems["exp_avg_sq"],
-        "max_bucket": max(b.numel for b in strategy.buckets.buckets),
+        "max_bucket": max(b.size for b in strategy.buckets.buckets),
         "world": dist.get_world_size(),
     }
     engine.destroy()
