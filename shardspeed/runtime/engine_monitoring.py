@@ -80,6 +80,12 @@ class EngineObservability:
         self._profile_window = False
         self._profile_timings: dict[str, float] = {}
         self.progress = ProgressDisplay(self.is_rank0 and progress_requested())
+        # per-step work only when something reads it: the loss float (a host sync on a device)
+        # for monitors and the progress display; the throughput timer (which synchronizes the
+        # device at every forward) for steps_per_print logs, the progress display and profiles
+        self._wants_loss = self.monitor.enabled or self.progress.enabled
+        if not (config.steps_per_print or self.progress.enabled or self.flops_profiler):
+            self.throughput.enabled = False
         self._loss_sum: torch.Tensor | None = None
         self._loss_count = 0
         self._window_micro = 0
@@ -122,9 +128,10 @@ class EngineObservability:
     @contextmanager
     def backward(self, loss: torch.Tensor) -> Iterator[None]:
         """Around the whole backward verb: remember the loss, time the phase."""
-        value = loss.detach().float().reshape(())
-        self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
-        self._loss_count += 1
+        if self._wants_loss:
+            value = loss.detach().float().reshape(())
+            self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
+            self._loss_count += 1
         self.timers(BACKWARD_GLOBAL_TIMER).start()
         try:
             yield
