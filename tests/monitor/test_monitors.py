@@ -8,6 +8,7 @@ import glob
 import json
 import os
 import sys
+import time
 import zipfile
 
 import pytest
@@ -75,8 +76,15 @@ def test_wandb_offline_history(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
     _write(MonitorMaster(DeepSpeedMonitorConfig(wandb=WandbConfig(enabled=True, project="t"))))
-    (run_file,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
-    rows = history_rows(run_file)
+    # wandb's service process writes the offline file; under load it can still be flushing
+    # when finish() returns, so read until the rows appear (bounded)
+    deadline = time.monotonic() + 15
+    rows: list = []
+    while not rows and time.monotonic() < deadline:
+        files = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
+        rows = history_rows(files[0]) if len(files) == 1 else []
+        if not rows:
+            time.sleep(0.2)
     assert [(r["_step"], r["Train/Samples/train_loss"], r["Train/Samples/lr"]) for r in rows] == [
         (8, 2.5, 0.1),
         (16, 2.0, 0.05),
