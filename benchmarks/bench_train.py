@@ -5,8 +5,9 @@
 
 Each mode runs in fresh rank processes (so each has its own peak RSS), modes alternate over
 ``--rounds`` rounds, and the median step time of every mode is reported. Each mode also reports
-its theoretical model-state bytes per rank (fp32 AdamW; see :func:`model_state_bytes`). Prints one
-JSON line.
+its theoretical model-state bytes per rank (fp32 AdamW; see :func:`model_state_bytes`) and the
+memory target ``theory + activations + 300 MB``, with activations measured as the bytes autograd
+saves in one micro-batch forward (:func:`activation_mb`). Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -92,6 +93,25 @@ def model_state_bytes(mode: str, params: int, world: int, elem: int = 4) -> int:
         "shardspeed_stage2": psi + 4 * part,
     }
     return per_mode[mode] * elem
+
+
+def activation_mb(args: argparse.Namespace) -> float:
+    """MB of tensors autograd saves for backward in one micro-batch forward (parameters excluded,
+    each storage counted once): the activations term of the memory target."""
+    model, cfg = _build(args)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    tokens, targets = _batches(cfg, args.micro, 1, rank=0)[0]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(tokens, targets)
+    return sum(saved.values()) / 2**20
 
 
 def _rank_main(
@@ -216,6 +236,7 @@ def main() -> None:
         "params": runs["ddp"][0][0]["params"],
         "micro_batch": args.micro,
         "seq": args.seq,
+        "activations_mb": round(activation_mb(args), 1),
     }
     for mode, rounds in runs.items():
         summary[mode] = {
@@ -233,6 +254,10 @@ def main() -> None:
                 model_state_bytes(mode, summary["params"], args.world) / 2**20, 1
             ),
         }
+        # the issue's memory target: theory + activations + 300 MB (process, allocator, buffers)
+        target = summary[mode]["model_state_mb_per_rank_theory"] + summary["activations_mb"] + 300
+        summary[mode]["rss_target_mb"] = round(target, 1)
+        summary[mode]["rss_within_target"] = max(summary[mode]["peak_rss_mb_per_rank"]) <= target
     for mode in modes[1:]:
         summary[f"{mode}_vs_ddp_step_time"] = round(
             summary[mode]["step_s"] / summary["ddp"]["step_s"], 3

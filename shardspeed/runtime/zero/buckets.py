@@ -12,6 +12,8 @@ Two ways to hold gradients:
   reducing backward each gradient is copied into its bucket's buffer as soon as it is final and
   ``.grad`` is dropped. A bucket's buffer exists only from its first gradient until the strategy
   :meth:`~GradientBuckets.release` releases it, so at most the buckets in flight are ever allocated.
+  Released buffers are kept (a few) and reused by the next buckets, so a step allocates no new
+  gradient memory once the first one has run.
 
 A bucket's flat size may be padded to a multiple of ``pad_to`` (the world size), so a
 reduce-scatter of the bucket gives every rank an equal contiguous chunk. Buckets are filled in
@@ -48,6 +50,8 @@ class GradBucket:
     pending: int = 0
     #: whatever the launcher needs to finish the collective (work handle, staging tensor)
     inflight: Any = field(default=None, repr=False)
+    #: the reusable tensor a staged bucket's buffer is carved from while the bucket is in use
+    storage: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def accumulates(self) -> bool:
@@ -59,9 +63,14 @@ class GradBucket:
         assert self.buffer is not None, f"bucket {self.index} has no buffer allocated"
         return self.buffer
 
-    def allocate(self) -> None:
-        """Create the (zeroed) flat buffer and the per-parameter views into it."""
-        self.buffer = torch.zeros(self.size, dtype=self.dtype, device=self.device)
+    def allocate(self, storage: torch.Tensor | None = None) -> None:
+        """Give the bucket a zeroed flat buffer (the front of ``storage`` if given, else a new
+        tensor) and the per-parameter views into it."""
+        if storage is None:
+            self.buffer = torch.zeros(self.size, dtype=self.dtype, device=self.device)
+        else:
+            self.buffer = storage[: self.size]
+            self.buffer.zero_()
         self.views = [
             self.buffer[offset : offset + param.numel()].view_as(param)
             for param, offset in zip(self.params, self.offsets, strict=True)
@@ -92,6 +101,10 @@ def _partition_into_buckets(
     if current:
         runs.append(current)
     return runs
+
+
+#: released staged-bucket buffers kept for reuse: one filling while one is reduced
+_SPARE_BUFFERS = 2
 
 
 class GradientBuckets:
@@ -133,6 +146,8 @@ class GradientBuckets:
         self._reducing = False
         #: parameters whose gradient this reducing backward has already counted
         self._arrived: set[nn.Parameter] = set()
+        #: released staged-bucket buffers, reused best-fit
+        self._spare: list[torch.Tensor] = []
         self._handles = [
             p.register_post_accumulate_grad_hook(self._on_grad_accumulated) for p in self._slot
         ]
@@ -158,7 +173,7 @@ class GradientBuckets:
         for bucket in self.buckets[self._next_launch :]:
             if self.staged:
                 if bucket.buffer is None:
-                    bucket.allocate()
+                    self._allocate_staged(bucket)
                 # gradients of earlier micro-batches whose parameter this one did not use
                 for param in bucket.params:
                     if param.grad is not None:
@@ -187,9 +202,30 @@ class GradientBuckets:
 
     def release(self, bucket: GradBucket) -> None:
         """Free a staged bucket's buffer once its reduction has been consumed."""
-        if self.staged:
+        if self.staged and bucket.storage is not None:
+            self._spare.append(bucket.storage)
+            # keep the largest: a later bucket fits in any buffer at least its size
+            self._spare.sort(key=torch.Tensor.numel, reverse=True)
+            del self._spare[_SPARE_BUFFERS:]
             bucket.buffer = None
+            bucket.storage = None
             bucket.views = []
+
+    def _allocate_staged(self, bucket: GradBucket) -> None:
+        """Give a staged bucket a buffer: the smallest spare one that fits, else a new one."""
+        fits = [
+            index
+            for index, spare in enumerate(self._spare)
+            if spare.numel() >= bucket.size
+            and spare.dtype == bucket.dtype
+            and spare.device == bucket.device
+        ]
+        if fits:
+            storage = self._spare.pop(min(fits, key=lambda i: self._spare[i].numel()))
+        else:
+            storage = torch.empty(bucket.size, dtype=bucket.dtype, device=bucket.device)
+        bucket.storage = storage
+        bucket.allocate(storage)
 
     def grad_of(self, param: nn.Parameter) -> torch.Tensor | None:
         """``param``'s locally accumulated gradient: its buffer view in views and accumulate
@@ -197,6 +233,14 @@ class GradientBuckets:
         if self.staged:
             return param.grad
         return self.view_of(param)
+
+    def bucket_of(self, param: nn.Parameter) -> GradBucket:
+        """The bucket holding ``param``."""
+        return self._slot[param][0]
+
+    def spare_numel(self) -> int:
+        """Elements held by released staged-bucket buffers kept for reuse."""
+        return sum(spare.numel() for spare in self._spare)
 
     def view_of(self, param: nn.Parameter) -> torch.Tensor:
         """``param``'s gradient in its bucket buffer (allocated buckets only)."""
@@ -264,7 +308,7 @@ class GradientBuckets:
         self._arrived.add(param)  # type: ignore[arg-type]
         if self.staged:
             if bucket.buffer is None:
-                bucket.allocate()
+                self._allocate_staged(bucket)
             self._stage(bucket, param)  # type: ignore[arg-type]
         bucket.pending -= 1
         if bucket.pending == 0 and bucket.index == self._next_launch:

@@ -1,13 +1,16 @@
 """What ZeRO stages 1 and 2 share: optimizer state partitioned across data-parallel ranks.
 
-Each rank keeps, per parameter group, one flat fp32 master tensor of its partition (see
-:mod:`~shardspeed.runtime.zero.partition` for the layout) and the torch optimizer is rebound to
-step those tensors, so its state exists for ``Ψ/N`` elements only. At the accumulation boundary
-every gradient bucket is reduce-scattered: each rank receives the summed gradient of its own
-chunk, straight into a partition-sized gradient buffer. After the optimizer step the updated
-partitions are all-gathered back into the model parameters, ``allgather_bucket_size`` elements
-at a time. Communication per step is one reduce-scatter and one all-gather of ``Ψ`` elements,
-the ``2Ψ(N-1)/N`` bus volume of a plain all-reduce.
+The model's parameters are moved into one flat buffer per gradient bucket
+(:mod:`~shardspeed.runtime.zero.flat_params`) and each rank owns one contiguous chunk of every
+bucket (:mod:`~shardspeed.runtime.zero.partition`). The torch optimizer is rebound to step this
+rank's chunks only, so its state exists for ``Ψ/N`` elements. With fp32 parameters the chunk it
+steps is the model's own memory; with fp16/bf16 parameters it steps an fp32 master copy of the
+chunk. At the accumulation boundary every gradient bucket is reduce-scattered: each rank
+receives the summed gradient of its chunk, straight into a chunk-sized gradient buffer. After
+the step every bucket is all-gathered in place, so each rank's parameters are whole again with
+no gather buffer and no copy. Communication per step is one reduce-scatter and one all-gather of
+``Ψ`` elements, the ``2Ψ(N-1)/N`` bus volume of a plain all-reduce. (``allgather_bucket_size``
+is accepted for compatibility; the in-place gather needs no buffer for it to bound.)
 
 The stages differ only in how the gradient buckets hold gradients (``staged_gradients``): stage 1
 keeps full-size gradient buffers (``.grad`` views, as stage 0); stage 2 stages each gradient into
@@ -28,7 +31,8 @@ from shardspeed import comm
 from shardspeed.runtime.precision.loss_scaler import has_inf_or_nan
 from shardspeed.runtime.precision.overflow import unscale_
 from shardspeed.runtime.zero.buckets import GradBucket, GradientBuckets
-from shardspeed.runtime.zero.partition import ChunkSlot, FlatPartition, Piece, allgather_batches
+from shardspeed.runtime.zero.flat_params import FlatParams
+from shardspeed.runtime.zero.partition import FlatPartition, Piece
 from shardspeed.runtime.zero.stage0 import (
     accumulation_dtype,
     comm_source,
@@ -60,25 +64,15 @@ def check_optimizer_is_tested(optimizer: torch.optim.Optimizer, allow_untested: 
 
 @dataclass(eq=False)
 class _Reduction:
-    """A reduce-scatter in flight: ``output`` receives the chunk that belongs in ``target``."""
+    """A reduce-scatter in flight: ``output`` receives the chunk that belongs in ``target``,
+    which it replaces (``overwrite``) or is added to."""
 
     bucket: GradBucket
     work: Any
     source: torch.Tensor
     output: torch.Tensor
     target: torch.Tensor
-
-
-@dataclass(eq=False)
-class _Gather:
-    """An all-gather of updated partitions in flight, and where its result goes."""
-
-    buckets: list[GradBucket]
-    slots: list[ChunkSlot]
-    work: Any
-    gathered: torch.Tensor
-    #: the sent tensor: kept alive until the gather completes
-    local: torch.Tensor
+    overwrite: bool
 
 
 class PartitionedStrategy(ZeroStrategy):
@@ -96,7 +90,6 @@ class PartitionedStrategy(ZeroStrategy):
                 "before its first step, so pass an optimizer that has not stepped yet"
             )
         params = trainable_params(module, optimizer)
-        self._params = params
         self._group_of = {
             id(p): index
             for index, group in enumerate(optimizer.param_groups)
@@ -112,40 +105,45 @@ class PartitionedStrategy(ZeroStrategy):
             staged=self.staged_gradients,
             dtype=accumulation_dtype(ctx, ctx.precision.param_dtype),
         )
-        self.partition = FlatPartition(
-            self.buckets.buckets,
-            self._group_of,
-            len(optimizer.param_groups),
-            ctx.dp_world_size,
-            ctx.dp_rank,
-        )
-        device = params[0].device if params else torch.device("cpu")
-        grad_dtypes = [ctx.precision.param_dtype] * len(optimizer.param_groups)
-        for bucket, slot in zip(self.buckets.buckets, self.partition.chunks, strict=True):
-            grad_dtypes[slot.group] = bucket.dtype
-        #: this rank's reduced gradients, per group, in the gradient dtype
-        self.grad_partitions = [
-            torch.zeros(n, dtype=dt, device=device)
-            for n, dt in zip(self.partition.group_numel, grad_dtypes, strict=True)
+        buckets = self.buckets.buckets
+        #: the model's parameters, now views of one flat buffer per bucket
+        self.flat_params = FlatParams(buckets)
+        self.partition = FlatPartition(buckets, ctx.dp_world_size, ctx.dp_rank)
+        #: this rank's reduced gradient of each bucket's chunk, in the bucket's dtype
+        self.grad_chunks = [
+            torch.zeros(n, dtype=b.dtype, device=b.device)
+            for b, n in zip(buckets, self.partition.chunk_numel, strict=True)
         ]
-        #: this rank's fp32 master weights, per group: the tensors the optimizer steps
-        self.fp32_partitions = [
-            torch.zeros(n, dtype=ctx.precision.master_dtype, device=device)
-            for n in self.partition.group_numel
-        ]
-        self._fill_masters_from_model()
-        for group, master in zip(optimizer.param_groups, self.fp32_partitions, strict=True):
-            group["params"] = [master]
-        allgather_size = getattr(ctx.zero_config, "allgather_bucket_size", 500_000_000)
-        self._gather_batches = allgather_batches(self.buckets.buckets, max(int(allgather_size), 1))
+        #: the tensors the optimizer steps, one per bucket: this rank's chunk of the parameters
+        #: itself when they are in the master dtype, else an fp32 copy of it
+        self.master_chunks = [self._master_for(b) for b in range(len(buckets))]
+        for index, group in enumerate(optimizer.param_groups):
+            group["params"] = [
+                master
+                for bucket, master in zip(buckets, self.master_chunks, strict=True)
+                if self._group_of[id(bucket.params[0])] == index
+            ]
         self._inflight: deque[_Reduction] = deque()
-        # stage 2 bounds the staged buckets alive at once: one in flight while the next fills
-        # (overlap_comm), or none; stage 1's buffers exist anyway, so it never waits early
-        unbounded = len(self.buckets.buckets)
-        self._max_inflight = (
-            (1 if ctx.reduce.overlap_comm else 0) if self.staged_gradients else unbounded
-        )
+        # reductions in flight at once: one while the next bucket fills (overlap_comm), or
+        # none. A reduction holds memory until finished (stage 2's staged bucket, the receive
+        # buffer of gloo's all-to-all path), so the bound keeps that to one bucket's worth.
+        self._max_inflight = 1 if ctx.reduce.overlap_comm else 0
         self._reduced = False
+        #: per bucket: no reduction has written its gradient chunk since the last zero_grad
+        self._fresh = [True] * len(buckets)
+
+    def _param_chunk(self, bucket: int) -> torch.Tensor:
+        return self.flat_params.chunk(bucket, self.partition.chunk_slice(bucket))
+
+    def _master_for(self, bucket: int) -> torch.Tensor:
+        chunk = self._param_chunk(bucket)
+        if chunk.dtype == self.ctx.precision.master_dtype:
+            return chunk
+        return chunk.to(dtype=self.ctx.precision.master_dtype, copy=True)
+
+    def _aliased(self, bucket: int) -> bool:
+        """Whether the optimizer steps bucket ``bucket``'s parameter chunk itself."""
+        return self.master_chunks[bucket].data_ptr() == self._param_chunk(bucket).data_ptr()
 
     # -- backward -------------------------------------------------------------------------
     def begin_backward(self, reduce: bool) -> None:
@@ -153,15 +151,17 @@ class PartitionedStrategy(ZeroStrategy):
 
     def _launch(self, bucket: GradBucket) -> None:
         assert bucket.buffer is not None
-        slot = self.partition.chunks[bucket.index]
-        target = self.grad_partitions[slot.group][slot.part_slice]
+        target = self.grad_chunks[bucket.index]
         source = comm_source(bucket.buffer, self.ctx, self._pre_scale)
-        # stage 2 accumulates into the partition (a second reducing backward before the step
-        # adds to it); stage 1's buffers already hold the running sum, so it overwrites
-        direct = target.dtype == source.dtype and not self.staged_gradients
+        # stage 1's buffers hold the running sum, so each reduction replaces the chunk; stage 2
+        # stages only this backward's gradients, so a second reducing backward before the step
+        # adds to what the first one left
+        overwrite = not self.staged_gradients or self._fresh[bucket.index]
+        self._fresh[bucket.index] = False
+        direct = overwrite and target.dtype == source.dtype
         output = target if direct else torch.empty_like(target, dtype=source.dtype)
         work = comm.reduce_scatter_tensor(output, source, group=self.ctx.dp_group, async_op=True)
-        self._inflight.append(_Reduction(bucket, work, source, output, target))
+        self._inflight.append(_Reduction(bucket, work, source, output, target, overwrite))
         while len(self._inflight) > self._max_inflight:
             self._finish(self._inflight.popleft())
 
@@ -170,10 +170,10 @@ class PartitionedStrategy(ZeroStrategy):
         if self._post_scale != 1.0:
             reduction.output.mul_(self._post_scale)
         if reduction.output is not reduction.target:
-            if self.staged_gradients:
-                reduction.target.add_(reduction.output)
-            else:
+            if reduction.overwrite:
                 reduction.target.copy_(reduction.output)
+            else:
+                reduction.target.add_(reduction.output)
         self.buckets.release(reduction.bucket)
 
     def end_backward(self) -> None:
@@ -184,7 +184,7 @@ class PartitionedStrategy(ZeroStrategy):
 
     # -- step -----------------------------------------------------------------------------
     def _master_grads(self) -> list[torch.Tensor]:
-        return [m.grad for m in self.fp32_partitions if m.grad is not None]
+        return [m.grad for m in self.master_chunks if m.grad is not None]
 
     def prepare_step(self, inv_loss_scale: float) -> None:
         if not self._reduced:
@@ -193,7 +193,7 @@ class PartitionedStrategy(ZeroStrategy):
                 "backward at the accumulation boundary outside engine.no_sync(); call "
                 "engine.backward() outside no_sync() before engine.step()"
             )
-        for master, grad in zip(self.fp32_partitions, self.grad_partitions, strict=True):
+        for master, grad in zip(self.master_chunks, self.grad_chunks, strict=True):
             if grad.dtype == master.dtype:
                 master.grad = grad
             else:
@@ -209,7 +209,8 @@ class PartitionedStrategy(ZeroStrategy):
         grads = self._master_grads()
         # fp64 sum of squares: the partitioned sum rounds differently from a per-tensor norm,
         # and the extra precision keeps it within an ulp of the true norm
-        squares = torch.zeros((), dtype=torch.float64, device=self.fp32_partitions[0].device)
+        device = self.master_chunks[0].device if self.master_chunks else torch.device("cpu")
+        squares = torch.zeros((), dtype=torch.float64, device=device)
         if grads:
             norms = torch.stack([n.double() for n in torch._foreach_norm(grads, 2.0)])
             squares = norms.square().sum()
@@ -226,73 +227,49 @@ class PartitionedStrategy(ZeroStrategy):
 
     @torch.no_grad()
     def _gather_params(self) -> None:
-        """All-gather the updated partitions into the model parameters, batch by batch; the
-        next batch's all-gather is in flight while this one is copied into the parameters."""
-        pending: _Gather | None = None
-        for batch in self._gather_batches:
-            launched = self._launch_gather(batch)
-            if pending is not None:
-                self._scatter_gathered(pending)
-            pending = launched
-        if pending is not None:
-            self._scatter_gathered(pending)
-
-    def _launch_gather(self, batch: list[int]) -> _Gather:
-        buckets = [self.buckets.buckets[i] for i in batch]
-        slots = [self.partition.chunks[i] for i in batch]
-        parts = [self.fp32_partitions[s.group][s.part_slice] for s in slots]
-        # one bucket: send its partition slice as is (no concatenation copy)
-        local = (parts[0] if len(parts) == 1 else torch.cat(parts)).to(buckets[0].dtype)
-        world = self.ctx.dp_world_size
-        gathered = torch.empty(world * local.numel(), dtype=local.dtype, device=local.device)
-        work = comm.all_gather_into_tensor(gathered, local, group=self.ctx.dp_group, async_op=True)
-        return _Gather(buckets, slots, work, gathered, local)
-
-    def _scatter_gathered(self, gather: _Gather) -> None:
-        """Wait for ``gather`` and copy every rank's chunks into the parameters they belong to."""
-        gather.work.wait()
-        rows = gather.gathered.view(self.ctx.dp_world_size, gather.local.numel())
-        column = 0
-        for bucket, slot in zip(gather.buckets, gather.slots, strict=True):
-            # rank r's chunk of the bucket is its flat elements [r*chunk, (r+1)*chunk)
-            flat = rows[:, column : column + slot.numel].reshape(-1)
-            column += slot.numel
-            values = [
-                flat[offset : offset + p.numel()].view_as(p)
-                for p, offset in zip(bucket.params, bucket.offsets, strict=True)
-            ]
-            torch._foreach_copy_([p.data for p in bucket.params], values)
+        """Bring every rank's updated chunks into the parameters: copy the fp32 masters into the
+        chunks (fp16/bf16 models) and all-gather each bucket in place, every bucket in flight
+        at once."""
+        works = []
+        for bucket, flat in enumerate(self.flat_params.buffers):
+            chunk = self._param_chunk(bucket)
+            if not self._aliased(bucket):
+                chunk.copy_(self.master_chunks[bucket])
+            if self.ctx.dp_world_size > 1:
+                works.append(
+                    comm.all_gather_into_tensor(flat, chunk, group=self.ctx.dp_group, async_op=True)
+                )
+        for work in works:
+            work.wait()
 
     @torch.no_grad()
     def _fill_masters_from_model(self) -> None:
-        for param in self._params:
-            piece = self.partition.piece(param)
-            if piece is not None:
-                values = param.detach().reshape(-1)[piece.param_slice]
-                self.fp32_partitions[piece.group][piece.part_slice].copy_(values)
+        for bucket, master in enumerate(self.master_chunks):
+            if not self._aliased(bucket):
+                master.copy_(self._param_chunk(bucket))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        del set_to_none  # partition buffers are reused; zeroing them in place is cheaper
+        del set_to_none  # chunk buffers are reused; zeroing them in place is cheaper
         self.buckets.zero_()
-        for grad in self.grad_partitions:
+        for grad in self.grad_chunks:
             grad.zero_()
         self._reduced = False
+        self._fresh = [True] * len(self._fresh)
 
     # -- inspection and state -------------------------------------------------------------
     def param_fragment(self, param: nn.Parameter) -> ParamFragment | None:
-        group = self._group_of.get(id(param))
-        if group is None or not param.requires_grad:
+        if id(param) not in self._group_of or not param.requires_grad:
             return None
         # a rank owning none of ``param`` still takes part in collectives with an empty piece
-        piece = self.partition.piece(param) or Piece(group, 0, 0, 0)
-        master = self.fp32_partitions[piece.group]
-        grad = self.grad_partitions[piece.group][piece.part_slice] if self._reduced else None
+        piece = self.partition.piece(param) or Piece(self.buckets.bucket_of(param).index, 0, 0, 0)
+        master = self.master_chunks[piece.bucket]
+        grad = self.grad_chunks[piece.bucket][piece.chunk_slice] if self._reduced else None
         return ParamFragment(
             param_slice=piece.param_slice,
-            master=master.data[piece.part_slice],
+            master=master.detach()[piece.chunk_slice],
             grad=grad,
             state_key=master,
-            state_slice=piece.part_slice,
+            state_slice=piece.chunk_slice,
             partitioned=self.ctx.dp_world_size > 1,
             group=self.ctx.dp_group,
         )
@@ -303,29 +280,30 @@ class PartitionedStrategy(ZeroStrategy):
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         state["dp_world_size"] = self.ctx.dp_world_size
-        state["partition_numel"] = list(self.partition.group_numel)
-        state["fp32_partitions"] = [m.detach().clone() for m in self.fp32_partitions]
+        state["chunk_numel"] = list(self.partition.chunk_numel)
+        # copies: a chunk of the flat parameters would otherwise save the whole flat buffer
+        state["fp32_chunks"] = [m.detach().clone() for m in self.master_chunks]
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        saved = state.get("fp32_partitions")
+        saved = state.get("fp32_chunks")
         if saved is None:
             # no partitions saved (e.g. only the module was loaded): start from the model weights
             self._fill_masters_from_model()
             return
-        numel = state.get("partition_numel")
+        numel = state.get("chunk_numel")
         if state.get("dp_world_size") != self.ctx.dp_world_size or numel != list(
-            self.partition.group_numel
+            self.partition.chunk_numel
         ):
             raise ValueError(
                 f"checkpoint partitions were saved with data-parallel size "
-                f"{state.get('dp_world_size')} and sizes {numel}; this run has "
-                f"{self.ctx.dp_world_size} and {self.partition.group_numel}. Loading ZeRO "
+                f"{state.get('dp_world_size')} and chunk sizes {numel}; this run has "
+                f"{self.ctx.dp_world_size} and {self.partition.chunk_numel}. Loading ZeRO "
                 "checkpoints into another world size or bucket layout is not supported yet: "
                 "resume with the same world size and zero_optimization settings"
             )
         with torch.no_grad():
-            for master, value in zip(self.fp32_partitions, saved, strict=True):
+            for master, value in zip(self.master_chunks, saved, strict=True):
                 master.copy_(value)
         self._gather_params()
 

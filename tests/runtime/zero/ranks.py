@@ -147,6 +147,7 @@ def memory_accounting(stage: int) -> dict[str, int]:
     engine.backward(engine(x, x))
     held_model_grads = sum(p.grad.numel() for p in model.parameters() if p.grad is not None)
     bucket_buffers = sum(b.size for b in strategy.buckets.buckets if b.buffer is not None)
+    spare_buffers = strategy.buckets.spare_numel()
     engine.step()
     state_elems = {
         key: sum(s[key].numel() for s in engine.optimizer.state.values())
@@ -156,8 +157,27 @@ def memory_accounting(stage: int) -> dict[str, int]:
         "params": sum(p.numel() for p in model.parameters()),
         "model_grads": held_model_grads,
         "bucket_buffers_after_backward": bucket_buffers,
-        "grad_partition": sum(g.numel() for g in strategy.grad_partitions),
-        "master_partition": sum(m.numel() for m in strategy.fp32_partitions),
+        "spare_bucket_buffers": spare_buffers,
+        "grad_partition": sum(g.numel() for g in strategy.grad_chunks),
+        "master_partition": sum(m.numel() for m in strategy.master_chunks),
+        # masters that are not the model's own memory (fp32 steps the parameter chunks)
+        "master_copies": sum(
+            m.numel()
+            for m in strategy.master_chunks
+            if not any(
+                m.untyped_storage().data_ptr() == f.untyped_storage().data_ptr()
+                for f in strategy.flat_params.buffers
+            )
+        ),
+        # parameters not stored in the flat buffers
+        "params_outside_flat": sum(
+            p.numel()
+            for p in model.parameters()
+            if not any(
+                p.untyped_storage().data_ptr() == f.untyped_storage().data_ptr()
+                for f in strategy.flat_params.buffers
+            )
+        ),
         "exp_avg": state_elems["exp_avg"],
         "exp_avg_sq": state_elems["exp_avg_sq"],
         "max_bucket": max(b.size for b in strategy.buckets.buckets),
