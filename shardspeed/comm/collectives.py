@@ -16,9 +16,9 @@ from torch.distributed import ReduceOp
 
 from shardspeed.comm.gloo_paths import (
     all_gather_by_broadcast,
-    reduce_scatter_by_all_to_all,
-    use_all_to_all_reduce_scatter,
+    reduce_scatter_by_send_recv,
     use_broadcast_all_gather,
+    use_send_recv_reduce_scatter,
 )
 from shardspeed.comm.instrument import DeferredWork, group_size, nbytes, run_op, total_nbytes
 from shardspeed.comm.torch_compat import all_gather_single, reduce_scatter_single
@@ -187,10 +187,11 @@ def reduce_scatter_tensor(
 ) -> Any:
     """Reduce ``tensor`` across ranks; rank i receives the i-th equal chunk in ``output_tensor``.
 
-    On gloo with CPU tensors this runs as an all-to-all plus a local reduction (see
+    ``output_tensor`` may be this rank's chunk of ``tensor`` (in place). On gloo with CPU tensors
+    this runs as point-to-point sends plus a local reduction (see
     :mod:`shardspeed.comm.gloo_paths`): the same bytes, about 3x faster than gloo's own."""
-    if use_all_to_all_reduce_scatter(tensor, op, group):
-        call = lambda: reduce_scatter_by_all_to_all(output_tensor, tensor, op, group, async_op)  # noqa: E731
+    if use_send_recv_reduce_scatter(tensor, op, group):
+        call = lambda: reduce_scatter_by_send_recv(output_tensor, tensor, op, group, async_op)  # noqa: E731
     else:
         call = lambda: reduce_scatter_single(  # noqa: E731
             output_tensor, tensor, op=op, group=group, async_op=async_op

@@ -3,9 +3,13 @@
 gloo's reduce-scatter is slower than its full all-reduce of the same buffer (measured on 2 CPU
 ranks, 25 MB fp32: reduce-scatter 34.5 ms, all-reduce 26.0 ms; 4 ranks: 78.8 ms vs 61.0 ms),
 which would make ZeRO's reduce-scatter + all-gather cost more than stage 0's all-reduce. A
-reduce-scatter is an all-to-all (rank i receives every rank's i-th chunk) followed by a local
-reduction, and gloo's all-to-all is fast: 10.1 ms (2 ranks) and 22.3 ms (4 ranks) for the same
-25 MB, sum included. It moves the same bytes as a reduce-scatter: (N-1)/N of the buffer per rank.
+reduce-scatter is also every rank sending chunk ``p`` of its input to rank ``p`` and reducing the
+``N-1`` chunks it receives into its own: (N-1)/N of the buffer per rank, the same bytes. Done with
+gloo's point-to-point send/recv it takes 10.0 ms for the same 25 MB on 2 ranks (12.7 ms as an
+all-to-all, which also needs a full-size receive buffer). The first chunk received goes straight
+into the output when the output is separate from the input, so 2 ranks need no receive buffer at
+all and ``N`` ranks one of ``N-2`` chunks; an output that is this rank's own chunk of the input
+(in place) receives into ``N-1`` chunks.
 
 gloo's all-gather into one tensor is slow too, and allocates a full-size staging buffer on its
 worker thread every call (2 ranks, 25 MB fp32 output: 30.7 ms with a separate input, 19.0 ms in
@@ -16,6 +20,7 @@ into its row of the output: 7.0 ms for the same 25 MB, no staging buffer, and th
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -23,15 +28,19 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from shardspeed.comm.instrument import DeferredWork
-
-_LOCAL_REDUCTIONS: dict[Any, Callable[..., torch.Tensor]] = {
-    ReduceOp.SUM: torch.sum,
-    ReduceOp.AVG: torch.mean,
-    ReduceOp.MAX: torch.amax,
-    ReduceOp.MIN: torch.amin,
-    ReduceOp.PRODUCT: torch.prod,
+# how each op folds one more rank's chunk into the running result, in place
+_FOLDS: dict[Any, Callable[[torch.Tensor, torch.Tensor], Any]] = {
+    ReduceOp.SUM: torch.Tensor.add_,
+    ReduceOp.AVG: torch.Tensor.add_,  # then divided by the world size
+    ReduceOp.MAX: lambda acc, x: torch.maximum(acc, x, out=acc),
+    ReduceOp.MIN: lambda acc, x: torch.minimum(acc, x, out=acc),
+    ReduceOp.PRODUCT: torch.Tensor.mul_,
 }
+
+# tags of the send/recv pairs, apart from user point-to-point traffic (tag 0 by default); every
+# rank of a group issues its reduce-scatters in the same order, so the counters agree
+_TAG_BASE = 0x5A000000
+_tag_counters: dict[Any, itertools.count[int]] = {}
 
 
 class _SpareBuffers:
@@ -42,13 +51,13 @@ class _SpareBuffers:
         self._keep = keep
         self._spare: list[torch.Tensor] = []
 
-    def take(self, like: torch.Tensor) -> torch.Tensor:
-        """An uninitialised tensor of ``like``'s size, dtype and device."""
+    def take(self, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """An uninitialised flat tensor of ``numel`` elements, ``like``'s dtype and device."""
         for index, spare in enumerate(self._spare):
-            if spare.numel() == like.numel() and spare.dtype == like.dtype:
+            if spare.numel() == numel and spare.dtype == like.dtype:
                 if spare.device == like.device:
                     return self._spare.pop(index)
-        return torch.empty(like.numel(), dtype=like.dtype, device=like.device)
+        return torch.empty(numel, dtype=like.dtype, device=like.device)
 
     def give_back(self, buffer: torch.Tensor) -> None:
         self._spare.append(buffer)
@@ -59,35 +68,78 @@ class _SpareBuffers:
 _receive_buffers = _SpareBuffers(keep=2)
 
 
-def use_all_to_all_reduce_scatter(tensor: torch.Tensor, op: Any, group: Any) -> bool:
-    """Whether :func:`reduce_scatter_by_all_to_all` applies: CPU tensors on a gloo group with a
+def use_send_recv_reduce_scatter(tensor: torch.Tensor, op: Any, group: Any) -> bool:
+    """Whether :func:`reduce_scatter_by_send_recv` applies: CPU tensors on a gloo group with a
     reduction it can do locally."""
     return (
         tensor.device.type == "cpu"
-        and op in _LOCAL_REDUCTIONS
+        and op in _FOLDS
         and dist.get_backend(group) == dist.Backend.GLOO
     )
 
 
-def reduce_scatter_by_all_to_all(
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    a_start, b_start = a.data_ptr(), b.data_ptr()
+    return a_start < b_start + b.nbytes and b_start < a_start + a.nbytes
+
+
+def reduce_scatter_by_send_recv(
     output: torch.Tensor, tensor: torch.Tensor, op: Any, group: Any, async_op: bool
 ) -> Any:
-    """Reduce-scatter ``tensor`` into ``output`` as an all-to-all plus a local reduction.
-
-    With ``async_op`` the returned handle finishes the reduction when waited on."""
-    world = dist.get_world_size(group)
-    received = _receive_buffers.take(tensor).view(tensor.shape)
-    work = dist.all_to_all_single(received, tensor.contiguous(), group=group, async_op=async_op)
-    reduce = _LOCAL_REDUCTIONS[op]
+    """Reduce-scatter ``tensor`` into ``output`` with point-to-point sends and receives plus a
+    local reduction (see the module docstring). ``output`` may be this rank's chunk of
+    ``tensor`` (in place). With ``async_op`` the returned handle finishes the reduction when
+    waited on."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    chunks = tensor.contiguous().view(world, -1)
+    if chunks.shape[1] != output.numel():
+        raise ValueError(
+            f"reduce_scatter_tensor: input has {tensor.numel()} elements, expected "
+            f"{world} x {output.numel()} (world size x output)"
+        )
+    own = chunks[rank]
+    out = output.view(-1)
+    in_place = out.data_ptr() == own.data_ptr() and out.is_contiguous()
+    direct = not in_place and out.is_contiguous() and not _overlaps(out, tensor)
+    if not (in_place or direct):  # e.g. an output overlapping the input elsewhere
+        work = dist.reduce_scatter_tensor(output, tensor, op=op, group=group, async_op=async_op)
+        return work
+    peers = [r for r in range(world) if r != rank]
+    if not peers:  # a group of one: the reduction is the input
+        if not in_place:
+            out.copy_(own)
+        return WorkList([]) if async_op else None
+    # where each peer's copy of this rank's chunk lands: the output itself for the first one
+    # when the output is free to take it, a receive buffer for the rest
+    buffered = peers if in_place else peers[1:]
+    spare = _receive_buffers.take(len(buffered) * out.numel(), out) if buffered else None
+    landing = {} if in_place else {peers[0]: out}
+    if spare is not None:
+        landing.update(zip(buffered, spare.view(len(buffered), -1), strict=True))
+    counter = _tag_counters.setdefault(group, itertools.count())
+    tag = _TAG_BASE + next(counter) % (1 << 20)
+    works = []
+    for peer in peers:
+        works.append(dist.isend(chunks[peer], group=group, tag=tag, group_dst=peer))
+        works.append(dist.irecv(landing[peer], group=group, tag=tag, group_src=peer))
+    fold = _FOLDS[op]
 
     def finish() -> None:
-        # row r of ``received`` is rank r's copy of this rank's chunk
-        reduce(received.view(world, -1), dim=0, out=output.view(-1))
-        _receive_buffers.give_back(received.view(-1))
+        if not in_place:
+            fold(out, own)
+        for peer in buffered:
+            fold(out, landing[peer])
+        if op == ReduceOp.AVG:
+            out.div_(world)
+        if spare is not None:
+            _receive_buffers.give_back(spare)
 
+    handle = WorkList(works, finish)
     if async_op:
-        return DeferredWork(work, finish)
-    finish()
+        return handle
+    handle.wait()
     return None
 
 

@@ -12,8 +12,8 @@ Two ways to hold gradients:
   reducing backward each gradient is copied into its bucket's buffer as soon as it is final and
   ``.grad`` is dropped. A bucket's buffer exists only from its first gradient until the strategy
   :meth:`~GradientBuckets.release` releases it, so at most the buckets in flight are ever allocated.
-  Released buffers are kept (a few) and reused by the next buckets, so a step allocates no new
-  gradient memory once the first one has run.
+  Released buffers are kept (a few) and reused by the next buckets of the same backward, so a
+  reducing backward allocates at most the buffers of the buckets in flight at once.
 
 A bucket's flat size may be padded to a multiple of ``pad_to`` (the world size), so a
 reduce-scatter of the bucket gives every rank an equal contiguous chunk. Buckets are filled in
@@ -103,7 +103,8 @@ def _partition_into_buckets(
     return runs
 
 
-#: released staged-bucket buffers kept for reuse: one filling while one is reduced
+#: released staged-bucket buffers kept for reuse within a backward: one filling while one is
+#: reduced
 _SPARE_BUFFERS = 2
 
 
@@ -210,6 +211,11 @@ class GradientBuckets:
             bucket.buffer = None
             bucket.storage = None
             bucket.views = []
+
+    def drop_spares(self) -> None:
+        """Free the kept buffers once a reducing backward is over: between backwards they would
+        only add to the memory held while the next forward stores its activations."""
+        self._spare = []
 
     def _allocate_staged(self, bucket: GradBucket) -> None:
         """Give a staged bucket a buffer: the smallest spare one that fits, else a new one."""

@@ -6,7 +6,8 @@ bucket (:mod:`~shardspeed.runtime.zero.partition`). The torch optimizer is rebou
 rank's chunks only, so its state exists for ``Ψ/N`` elements. With fp32 parameters the chunk it
 steps is the model's own memory; with fp16/bf16 parameters it steps an fp32 master copy of the
 chunk. At the accumulation boundary every gradient bucket is reduce-scattered: each rank
-receives the summed gradient of its chunk, straight into a chunk-sized gradient buffer. After
+receives the summed gradient of its chunk, straight into its gradient chunk (stage 1: its own
+chunk of the full gradient buffer, in place; stage 2: a chunk-sized buffer). After
 the step every bucket is all-gathered in place, so each rank's parameters are whole again with
 no gather buffer and no copy. Communication per step is one reduce-scatter and one all-gather of
 ``Ψ`` elements, the ``2Ψ(N-1)/N`` bus volume of a plain all-reduce. (``allgather_bucket_size``
@@ -109,9 +110,13 @@ class PartitionedStrategy(ZeroStrategy):
         #: the model's parameters, now views of one flat buffer per bucket
         self.flat_params = FlatParams(buckets)
         self.partition = FlatPartition(buckets, ctx.dp_world_size, ctx.dp_rank)
-        #: this rank's reduced gradient of each bucket's chunk, in the bucket's dtype
+        #: this rank's reduced gradient of each bucket's chunk, in the bucket's dtype: stage 1
+        #: reduces in place into its own chunk of the full gradient buffer, stage 2 into a
+        #: partition-sized buffer
         self.grad_chunks = [
             torch.zeros(n, dtype=b.dtype, device=b.device)
+            if self.staged_gradients
+            else b.flat()[self.partition.chunk_slice(b.index)]
             for b, n in zip(buckets, self.partition.chunk_numel, strict=True)
         ]
         #: the tensors the optimizer steps, one per bucket: this rank's chunk of the parameters
@@ -147,15 +152,31 @@ class PartitionedStrategy(ZeroStrategy):
 
     # -- backward -------------------------------------------------------------------------
     def begin_backward(self, reduce: bool) -> None:
+        if reduce and self._reduced and not self.staged_gradients:
+            self._rebase_running_sums()
         self.buckets.begin(reduce)
+
+    @torch.no_grad()
+    def _rebase_running_sums(self) -> None:
+        """Prepare stage 1's buffers for a second reducing backward before the step.
+
+        After a reduction this rank's chunk holds the averaged sum over ranks (``S/N``) and the
+        rest of its buffers the local gradients already sent to their owners. Clearing the rest
+        and scaling the chunk back to the plain sum ``S`` makes the next reduce-scatter, which
+        averages again, give ``(S + S')/N``: the same as one reduction of everything."""
+        for bucket in self.buckets.buckets:
+            flat, own = bucket.flat(), self.partition.chunk_slice(bucket.index)
+            flat[: own.start].zero_()
+            flat[own.stop :].zero_()
+            flat[own].mul_(self.ctx.dp_world_size)  # the pre and post factors multiply to 1/N
 
     def _launch(self, bucket: GradBucket) -> None:
         assert bucket.buffer is not None
         target = self.grad_chunks[bucket.index]
         source = comm_source(bucket.buffer, self.ctx, self._pre_scale)
-        # stage 1's buffers hold the running sum, so each reduction replaces the chunk; stage 2
-        # stages only this backward's gradients, so a second reducing backward before the step
-        # adds to what the first one left
+        # stage 1's buffers hold the running sum (see begin_backward), so each reduction
+        # replaces the chunk, in place; stage 2 stages only this backward's gradients, so a
+        # second reducing backward before the step adds to what the first one left
         overwrite = not self.staged_gradients or self._fresh[bucket.index]
         self._fresh[bucket.index] = False
         direct = overwrite and target.dtype == source.dtype
@@ -181,6 +202,7 @@ class PartitionedStrategy(ZeroStrategy):
             self._reduced = True
         while self._inflight:
             self._finish(self._inflight.popleft())
+        self.buckets.drop_spares()
 
     # -- step -----------------------------------------------------------------------------
     def _master_grads(self) -> list[torch.Tensor]:
@@ -251,8 +273,9 @@ class PartitionedStrategy(ZeroStrategy):
     def zero_grad(self, set_to_none: bool = True) -> None:
         del set_to_none  # chunk buffers are reused; zeroing them in place is cheaper
         self.buckets.zero_()
-        for grad in self.grad_chunks:
-            grad.zero_()
+        if self.staged_gradients:  # stage 1's chunks are views of the zeroed buffers
+            for grad in self.grad_chunks:
+                grad.zero_()
         self._reduced = False
         self._fresh = [True] * len(self._fresh)
 

@@ -169,6 +169,17 @@ def memory_accounting(stage: int) -> dict[str, int]:
                 for f in strategy.flat_params.buffers
             )
         ),
+        # reduced-gradient chunks with memory of their own (stage 1 reduces into its chunk of
+        # the full gradient buffers)
+        "grad_partition_copies": sum(
+            g.numel()
+            for g in strategy.grad_chunks
+            if not any(
+                b.buffer is not None
+                and g.untyped_storage().data_ptr() == b.buffer.untyped_storage().data_ptr()
+                for b in strategy.buckets.buckets
+            )
+        ),
         # parameters not stored in the flat buffers
         "params_outside_flat": sum(
             p.numel()

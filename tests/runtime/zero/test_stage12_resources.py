@@ -33,12 +33,16 @@ def test_partitioned_memory(dist_pool, world):
             assert held["master_copies"] == 0 and held["params_outside_flat"] == 0, held
             if stage == 1:
                 assert held["model_grads"] == psi  # stage 1 keeps full gradients
+                # ... and reduces into its own chunk of them: no separate gradient partition
+                assert held["grad_partition_copies"] == 0, held
             else:
-                # stage 2: no full gradient survives the reducing backward, no bucket either;
-                # a few released bucket buffers are kept for the next step to reuse
+                # stage 2: no full gradient survives the reducing backward, no bucket buffer
+                # either (not even one kept for reuse: it would sit beside the next forward's
+                # activations)
                 assert held["model_grads"] == 0
+                assert held["grad_partition_copies"] == held["grad_partition"], held
                 assert held["bucket_buffers_after_backward"] == 0
-                assert held["spare_bucket_buffers"] <= 2 * held["max_bucket"], held
+                assert held["spare_bucket_buffers"] == 0, held
 
 
 @pytest.mark.parametrize("stage", [1, 2], ids=["stage1", "stage2"])
