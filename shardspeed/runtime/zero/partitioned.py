@@ -111,13 +111,13 @@ class PartitionedStrategy(ZeroStrategy):
         self.flat_params = FlatParams(buckets)
         self.partition = FlatPartition(buckets, ctx.dp_world_size, ctx.dp_rank)
         #: this rank's reduced gradient of each bucket's chunk, in the bucket's dtype: stage 1
-        #: reduces in place into its own chunk of the full gradient buffer, stage 2 into a
-        #: partition-sized buffer
-        self.grad_chunks = [
-            torch.zeros(n, dtype=b.dtype, device=b.device)
-            if self.staged_gradients
-            else b.flat()[self.partition.chunk_slice(b.index)]
-            for b, n in zip(buckets, self.partition.chunk_numel, strict=True)
+        #: reduces in place into its own chunk of the full gradient buffer; stage 2 into a
+        #: chunk-sized buffer that exists only from the bucket's first reduction to the next
+        #: zero_grad (``None`` outside), so it holds no memory while the forward stores
+        #: activations (DeepSpeed frees its gradient partitions after the step too)
+        self.grad_chunks: list[torch.Tensor | None] = [
+            None if self.staged_gradients else b.flat()[self.partition.chunk_slice(b.index)]
+            for b in buckets
         ]
         #: the tensors the optimizer steps, one per bucket: this rank's chunk of the parameters
         #: itself when they are in the master dtype, else an fp32 copy of it
@@ -134,8 +134,6 @@ class PartitionedStrategy(ZeroStrategy):
         # buffer of gloo's all-to-all path), so the bound keeps that to one bucket's worth.
         self._max_inflight = 1 if ctx.reduce.overlap_comm else 0
         self._reduced = False
-        #: per bucket: no reduction has written its gradient chunk since the last zero_grad
-        self._fresh = [True] * len(buckets)
 
     def _param_chunk(self, bucket: int) -> torch.Tensor:
         return self.flat_params.chunk(bucket, self.partition.chunk_slice(bucket))
@@ -172,13 +170,16 @@ class PartitionedStrategy(ZeroStrategy):
 
     def _launch(self, bucket: GradBucket) -> None:
         assert bucket.buffer is not None
-        target = self.grad_chunks[bucket.index]
         source = comm_source(bucket.buffer, self.ctx, self._pre_scale)
         # stage 1's buffers hold the running sum (see begin_backward), so each reduction
         # replaces the chunk, in place; stage 2 stages only this backward's gradients, so a
         # second reducing backward before the step adds to what the first one left
-        overwrite = not self.staged_gradients or self._fresh[bucket.index]
-        self._fresh[bucket.index] = False
+        target = self.grad_chunks[bucket.index]
+        overwrite = target is None or not self.staged_gradients
+        if target is None:
+            numel = self.partition.chunk_numel[bucket.index]
+            target = torch.empty(numel, dtype=bucket.dtype, device=bucket.device)
+            self.grad_chunks[bucket.index] = target
         direct = overwrite and target.dtype == source.dtype
         output = target if direct else torch.empty_like(target, dtype=source.dtype)
         work = comm.reduce_scatter_tensor(output, source, group=self.ctx.dp_group, async_op=True)
@@ -216,6 +217,7 @@ class PartitionedStrategy(ZeroStrategy):
                 "engine.backward() outside no_sync() before engine.step()"
             )
         for master, grad in zip(self.master_chunks, self.grad_chunks, strict=True):
+            assert grad is not None  # a reducing backward launched every bucket
             if grad.dtype == master.dtype:
                 master.grad = grad
             else:
@@ -271,13 +273,13 @@ class PartitionedStrategy(ZeroStrategy):
                 master.copy_(self._param_chunk(bucket))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        del set_to_none  # chunk buffers are reused; zeroing them in place is cheaper
+        del set_to_none  # stage 1 zeroes its buffers in place, stage 2 frees its chunks
         self.buckets.zero_()
-        if self.staged_gradients:  # stage 1's chunks are views of the zeroed buffers
-            for grad in self.grad_chunks:
-                grad.zero_()
+        if self.staged_gradients:  # (stage 1's chunks are views of the zeroed buffers)
+            self.grad_chunks = [None] * len(self.grad_chunks)
+        for master in self.master_chunks:
+            master.grad = None
         self._reduced = False
-        self._fresh = [True] * len(self._fresh)
 
     # -- inspection and state -------------------------------------------------------------
     def param_fragment(self, param: nn.Parameter) -> ParamFragment | None:
@@ -286,7 +288,8 @@ class PartitionedStrategy(ZeroStrategy):
         # a rank owning none of ``param`` still takes part in collectives with an empty piece
         piece = self.partition.piece(param) or Piece(self.buckets.bucket_of(param).index, 0, 0, 0)
         master = self.master_chunks[piece.bucket]
-        grad = self.grad_chunks[piece.bucket][piece.chunk_slice] if self._reduced else None
+        chunk = self.grad_chunks[piece.bucket]
+        grad = chunk[piece.chunk_slice] if self._reduced and chunk is not None else None
         return ParamFragment(
             param_slice=piece.param_slice,
             master=master.detach()[piece.chunk_slice],

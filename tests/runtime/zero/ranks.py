@@ -148,7 +148,22 @@ def memory_accounting(stage: int) -> dict[str, int]:
     held_model_grads = sum(p.grad.numel() for p in model.parameters() if p.grad is not None)
     bucket_buffers = sum(b.size for b in strategy.buckets.buckets if b.buffer is not None)
     spare_buffers = strategy.buckets.spare_numel()
+    grad_partition = sum(g.numel() for g in strategy.grad_chunks if g is not None)
+    # reduced-gradient chunks with memory of their own (stage 1 reduces into its chunk of the
+    # full gradient buffers)
+    grad_partition_copies = sum(
+        g.numel()
+        for g in strategy.grad_chunks
+        if g is not None
+        and not any(
+            b.buffer is not None
+            and g.untyped_storage().data_ptr() == b.buffer.untyped_storage().data_ptr()
+            for b in strategy.buckets.buckets
+        )
+    )
     engine.step()
+    # stage 2 frees its gradient chunks with the step's zero_grad
+    grads_after_step = sum(g.numel() for g in strategy.grad_chunks if g is not None)
     state_elems = {
         key: sum(s[key].numel() for s in engine.optimizer.state.values())
         for key in ("exp_avg", "exp_avg_sq")
@@ -158,7 +173,9 @@ def memory_accounting(stage: int) -> dict[str, int]:
         "model_grads": held_model_grads,
         "bucket_buffers_after_backward": bucket_buffers,
         "spare_bucket_buffers": spare_buffers,
-        "grad_partition": sum(g.numel() for g in strategy.grad_chunks),
+        "grad_partition": grad_partition,
+        "grad_partition_copies": grad_partition_copies,
+        "grad_partition_after_step": grads_after_step,
         "master_partition": sum(m.numel() for m in strategy.master_chunks),
         # masters that are not the model's own memory (fp32 steps the parameter chunks)
         "master_copies": sum(
@@ -167,17 +184,6 @@ def memory_accounting(stage: int) -> dict[str, int]:
             if not any(
                 m.untyped_storage().data_ptr() == f.untyped_storage().data_ptr()
                 for f in strategy.flat_params.buffers
-            )
-        ),
-        # reduced-gradient chunks with memory of their own (stage 1 reduces into its chunk of
-        # the full gradient buffers)
-        "grad_partition_copies": sum(
-            g.numel()
-            for g in strategy.grad_chunks
-            if not any(
-                b.buffer is not None
-                and g.untyped_storage().data_ptr() == b.buffer.untyped_storage().data_ptr()
-                for b in strategy.buckets.buckets
             )
         ),
         # parameters not stored in the flat buffers

@@ -43,6 +43,8 @@ def test_partitioned_memory(dist_pool, world):
                 assert held["grad_partition_copies"] == held["grad_partition"], held
                 assert held["bucket_buffers_after_backward"] == 0
                 assert held["spare_bucket_buffers"] == 0, held
+                # and the gradient partition is freed once the step has used it
+                assert held["grad_partition_after_step"] == 0, held
 
 
 @pytest.mark.parametrize("stage", [1, 2], ids=["stage1", "stage2"])
