@@ -12,6 +12,8 @@ Two ways to hold gradients:
   reducing backward each gradient is copied into its bucket's buffer as soon as it is final and
   ``.grad`` is dropped. A bucket's buffer exists only from its first gradient until the strategy
   :meth:`~GradientBuckets.release` releases it, so at most the buckets in flight are ever allocated.
+  A bucket of a single parameter (a large embedding, say) adopts that parameter's gradient as its
+  buffer instead of copying it.
   Released buffers are kept (a few) and reused by the next buckets of the same backward, so a
   reducing backward allocates at most the buffers of the buckets in flight at once.
 
@@ -203,14 +205,16 @@ class GradientBuckets:
 
     def release(self, bucket: GradBucket) -> None:
         """Free a staged bucket's buffer once its reduction has been consumed."""
-        if self.staged and bucket.storage is not None:
+        if not self.staged:
+            return
+        if bucket.storage is not None:
             self._spare.append(bucket.storage)
             # keep the largest: a later bucket fits in any buffer at least its size
             self._spare.sort(key=torch.Tensor.numel, reverse=True)
             del self._spare[_SPARE_BUFFERS:]
-            bucket.buffer = None
-            bucket.storage = None
-            bucket.views = []
+        bucket.buffer = None
+        bucket.storage = None
+        bucket.views = []
 
     def drop_spares(self) -> None:
         """Free the kept buffers once a reducing backward is over: between backwards they would
@@ -270,6 +274,32 @@ class GradientBuckets:
             # dropping the reference frees the full-size gradient: only buckets stay allocated
             param.grad = None
 
+    @staticmethod
+    def _adopt(bucket: GradBucket, param: nn.Parameter) -> bool:
+        """Make ``param``'s gradient itself the staged buffer of a bucket that holds only
+        ``param`` (e.g. a large embedding), instead of copying it into a new one: no second
+        full-size gradient, no copy. Only for a dense, contiguous gradient of exactly the
+        bucket's size and dtype that owns its memory."""
+        grad = param.grad
+        adoptable = (
+            grad is not None
+            and len(bucket.params) == 1
+            and bucket.size == grad.numel()
+            and grad.layout == torch.strided
+            and grad.is_contiguous()
+            and grad.dtype == bucket.dtype
+            and grad.device == bucket.device
+            and grad._base is None
+            and grad.untyped_storage().nbytes() == grad.nbytes
+        )
+        if not adoptable:
+            return False
+        assert grad is not None
+        bucket.buffer = grad.view(-1)
+        bucket.views = [grad]
+        param.grad = None
+        return True
+
     def _absorb(self, bucket: GradBucket, param: nn.Parameter) -> None:
         """Add ``param``'s gradient into the wider accumulation buffer and drop ``.grad``."""
         grad = param.grad
@@ -312,7 +342,7 @@ class GradientBuckets:
                 "that share parameters with shardspeed.checkpointing.non_reentrant_checkpoint."
             )
         self._arrived.add(param)  # type: ignore[arg-type]
-        if self.staged:
+        if self.staged and not (bucket.buffer is None and self._adopt(bucket, param)):  # type: ignore[arg-type]
             if bucket.buffer is None:
                 self._allocate_staged(bucket)
             self._stage(bucket, param)  # type: ignore[arg-type]
