@@ -47,6 +47,28 @@ class WorkList:
                 stored.copy_(work)
 
 
+#: elements per multi-tensor batch: bounds the temporaries of an update (the denominator, fp32
+#: copies of low-precision tensors) to ~64 MB of fp32, however large the group
+FOREACH_BATCH_NUMEL = 1 << 24
+
+
+def batches_by_numel(
+    tensors: Sequence[torch.Tensor], limit: int = FOREACH_BATCH_NUMEL
+) -> list[list[torch.Tensor]]:
+    """``tensors`` in order, cut into runs of at most ``limit`` elements (a larger tensor is a
+    run of its own). An elementwise update run batch by batch computes exactly what it computes
+    over the whole list, with temporaries the size of one batch."""
+    batches: list[list[torch.Tensor]] = []
+    size = 0
+    for tensor in tensors:
+        if not batches or size + tensor.numel() > limit:
+            batches.append([])
+            size = 0
+        batches[-1].append(tensor)
+        size += tensor.numel()
+    return batches
+
+
 def grads_in(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The gradients of ``params`` in the dtype each parameter's update is computed in."""
     out = []

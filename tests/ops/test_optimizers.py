@@ -62,6 +62,27 @@ def test_fused_adam_matches_torch(adam_w_mode: bool, weight_decay: float) -> Non
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_adam_batched_update_is_bitwise_the_whole_group_update(monkeypatch, dtype) -> None:
+    """The update runs in batches of bounded size (bounded temporaries); elementwise, so any
+    batching gives exactly the same parameters and state."""
+    from shardspeed.ops.adam import adam_base
+    from shardspeed.ops.multi_tensor import batches_by_numel
+
+    assert [len(b) for b in batches_by_numel(make_params(), limit=20)] == [1, 2]  # 20 | 7+12
+    assert [len(b) for b in batches_by_numel(make_params(), limit=10**9)] == [3]
+    whole, batched = make_params(dtype), make_params(dtype)
+    one = FusedAdam(whole, lr=1e-2, weight_decay=0.1)
+    run(one, whole, range(3))
+    monkeypatch.setattr(adam_base, "batches_by_numel", lambda ts: [[t] for t in ts])
+    many = FusedAdam(batched, lr=1e-2, weight_decay=0.1)
+    run(many, batched, range(3))
+    for a, b in zip(whole, batched, strict=True):
+        assert torch.equal(a, b)
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(one.state[a][key], many.state[b][key])
+
+
 @pytest.mark.parametrize("adamw_mode", [True, False])
 def test_cpu_adam_matches_torch(adamw_mode: bool) -> None:
     torch_cls = torch.optim.AdamW if adamw_mode else torch.optim.Adam

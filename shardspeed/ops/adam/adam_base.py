@@ -24,6 +24,7 @@ import torch
 from shardspeed.ops.multi_tensor import (
     MultiTensorOptimizer,
     WorkList,
+    batches_by_numel,
     check_betas,
     check_non_negative,
     grads_in,
@@ -135,6 +136,10 @@ class AdamBase(MultiTensorOptimizer):
             self._foreach_update(group, rest)
 
     def _foreach_update(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        for batch in batches_by_numel(params):
+            self._foreach_update_batch(group, batch)
+
+    def _foreach_update_batch(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
         states = [self.state[p] for p in params]
         p_work = WorkList(params)
         m_work = WorkList([s["exp_avg"] for s in states], like=params)
