@@ -32,23 +32,9 @@ def _finish(works: list[Any], copy_backs: list[Callable[[], None]], async_op: bo
             copy_back()
 
     if async_op:
-        return _WorkGroup(works, copy_all)
+        return DeferredWork(works, copy_all)
     copy_all()
     return None
-
-
-class _WorkGroup(DeferredWork):
-    """Several handles, waited together, then one copy-back."""
-
-    def __init__(self, works: list[Any], on_complete: Callable[[], None]) -> None:
-        super().__init__(None, on_complete)
-        self._works = works
-
-    def wait(self, timeout: Any = None) -> bool:
-        for work in self._works:
-            if work is not None:
-                work.wait()
-        return super().wait()
 
 
 def all_reduce_coalesced(

@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
+from shardspeed.comm.instrument import DeferredWork
+
 # how each op folds one more rank's chunk into the running result, in place
 _FOLDS: dict[Any, Callable[[torch.Tensor, torch.Tensor], Any]] = {
     ReduceOp.SUM: torch.Tensor.add_,
@@ -100,17 +102,16 @@ def reduce_scatter_by_send_recv(
             f"{world} x {output.numel()} (world size x output)"
         )
     own = chunks[rank]
+    in_place = output.is_contiguous() and output.data_ptr() == own.data_ptr()
+    direct = output.is_contiguous() and not _overlaps(output, tensor)
+    if not (in_place or direct):  # a strided output, or one overlapping the input elsewhere
+        return dist.reduce_scatter_tensor(output, tensor, op=op, group=group, async_op=async_op)
     out = output.view(-1)
-    in_place = out.data_ptr() == own.data_ptr() and out.is_contiguous()
-    direct = not in_place and out.is_contiguous() and not _overlaps(out, tensor)
-    if not (in_place or direct):  # e.g. an output overlapping the input elsewhere
-        work = dist.reduce_scatter_tensor(output, tensor, op=op, group=group, async_op=async_op)
-        return work
     peers = [r for r in range(world) if r != rank]
     if not peers:  # a group of one: the reduction is the input
         if not in_place:
             out.copy_(own)
-        return WorkList([]) if async_op else None
+        return DeferredWork([]) if async_op else None
     # where each peer's copy of this rank's chunk lands: the output itself for the first one
     # when the output is free to take it, a receive buffer for the rest
     buffered = peers if in_place else peers[1:]
@@ -136,31 +137,11 @@ def reduce_scatter_by_send_recv(
         if spare is not None:
             _receive_buffers.give_back(spare)
 
-    handle = WorkList(works, finish)
+    handle = DeferredWork(works, finish)
     if async_op:
         return handle
     handle.wait()
     return None
-
-
-class WorkList:
-    """One handle for several works launched together (and an optional completion step)."""
-
-    def __init__(self, works: list[Any], on_complete: Callable[[], None] | None = None) -> None:
-        self._works = works
-        self._on_complete = on_complete
-
-    def wait(self, timeout: Any = None) -> bool:
-        for work in self._works:
-            work.wait() if timeout is None else work.wait(timeout)
-        self._works = []
-        if self._on_complete is not None:
-            finish, self._on_complete = self._on_complete, None
-            finish()
-        return True
-
-    def is_completed(self) -> bool:
-        return not self._works and self._on_complete is None
 
 
 def use_broadcast_all_gather(output: torch.Tensor, tensor: torch.Tensor, group: Any) -> bool:
@@ -195,7 +176,7 @@ def all_gather_by_broadcast(
         dist.broadcast(rows[r], dist.get_global_rank(members, r), group=group, async_op=True)
         for r in range(world)
     ]
-    handle = WorkList(works)
+    handle = DeferredWork(works)
     if async_op:
         return handle
     handle.wait()

@@ -79,25 +79,28 @@ def run_op(
 
 
 class DeferredWork:
-    """A work handle that runs ``on_complete`` once the underlying op is done.
+    """One handle for one or several works launched together, running ``on_complete`` (once)
+    when they are done.
 
     Coalesced ops communicate one flat buffer and then copy results back into the caller's
-    tensors; with ``async_op`` that copy must wait until the caller waits on the handle.
+    tensors; the gloo fast paths reduce what they received. With ``async_op`` that step must
+    wait until the caller waits on the handle.
     """
 
-    def __init__(self, work: Any, on_complete: Callable[[], None]) -> None:
-        self._work = work
-        self._on_complete: Callable[[], None] | None = on_complete
+    def __init__(self, works: Any, on_complete: Callable[[], None] | None = None) -> None:
+        self._works = [w for w in (works if isinstance(works, list) else [works]) if w is not None]
+        self._on_complete = on_complete
 
     def wait(self, timeout: Any = None) -> bool:
-        """Wait for the op, then finish the copy-back (once)."""
-        if self._work is not None:
-            self._work.wait() if timeout is None else self._work.wait(timeout)
+        """Wait for every op, then run the completion step (once)."""
+        for work in self._works:
+            work.wait() if timeout is None else work.wait(timeout)
+        self._works = []
         if self._on_complete is not None:
             finish, self._on_complete = self._on_complete, None
             finish()
         return True
 
     def is_completed(self) -> bool:
-        """True once :meth:`wait` has run the copy-back."""
-        return self._on_complete is None
+        """True once :meth:`wait` has run."""
+        return not self._works and self._on_complete is None

@@ -77,12 +77,3 @@ class FlatPartition:
     def piece(self, param: nn.Parameter) -> Piece | None:
         """This rank's piece of ``param`` (None if this rank owns none of it)."""
         return self._pieces.get(id(param))
-
-    def pieces(self) -> dict[int, Piece]:
-        """``id(param)`` -> piece, for every parameter this rank owns part of."""
-        return dict(self._pieces)
-
-    @property
-    def numel(self) -> int:
-        """Elements this rank owns over all buckets, padding included."""
-        return sum(self.chunk_numel)

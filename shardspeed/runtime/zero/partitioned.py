@@ -218,12 +218,8 @@ class PartitionedStrategy(ZeroStrategy):
             )
         for master, grad in zip(self.master_chunks, self.grad_chunks, strict=True):
             assert grad is not None  # a reducing backward launched every bucket
-            if grad.dtype == master.dtype:
-                master.grad = grad
-            else:
-                if master.grad is None:
-                    master.grad = torch.empty_like(master)
-                master.grad.copy_(grad)
+            # the chunk itself, or an fp32 copy of it (zero_grad drops either)
+            master.grad = grad.to(master.dtype)
         unscale_(self._master_grads(), inv_loss_scale)
 
     def local_overflow(self) -> torch.Tensor:

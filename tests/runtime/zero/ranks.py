@@ -137,6 +137,12 @@ def comm_bus_bytes_per_step(stage: int, gas: int, steps: int = 3) -> dict[str, f
     }
 
 
+def _numel_outside(tensors: list[torch.Tensor], buffers: list[torch.Tensor]) -> int:
+    """Elements of ``tensors`` whose memory is not one of ``buffers``."""
+    owned = {b.untyped_storage().data_ptr() for b in buffers}
+    return sum(t.numel() for t in tensors if t.untyped_storage().data_ptr() not in owned)
+
+
 def memory_accounting(stage: int) -> dict[str, int]:
     """Element counts of what this rank holds after a boundary backward and after a step."""
     torch.manual_seed(0)
@@ -148,19 +154,8 @@ def memory_accounting(stage: int) -> dict[str, int]:
     held_model_grads = sum(p.grad.numel() for p in model.parameters() if p.grad is not None)
     bucket_buffers = sum(b.size for b in strategy.buckets.buckets if b.buffer is not None)
     spare_buffers = strategy.buckets.spare_numel()
-    grad_partition = sum(g.numel() for g in strategy.grad_chunks if g is not None)
-    # reduced-gradient chunks with memory of their own (stage 1 reduces into its chunk of the
-    # full gradient buffers)
-    grad_partition_copies = sum(
-        g.numel()
-        for g in strategy.grad_chunks
-        if g is not None
-        and not any(
-            b.buffer is not None
-            and g.untyped_storage().data_ptr() == b.buffer.untyped_storage().data_ptr()
-            for b in strategy.buckets.buckets
-        )
-    )
+    grad_chunks = [g for g in strategy.grad_chunks if g is not None]
+    grad_buffers = [b.buffer for b in strategy.buckets.buckets if b.buffer is not None]
     engine.step()
     # stage 2 frees its gradient chunks with the step's zero_grad
     grads_after_step = sum(g.numel() for g in strategy.grad_chunks if g is not None)
@@ -173,31 +168,20 @@ def memory_accounting(stage: int) -> dict[str, int]:
         "model_grads": held_model_grads,
         "bucket_buffers_after_backward": bucket_buffers,
         "spare_bucket_buffers": spare_buffers,
-        "grad_partition": grad_partition,
-        "grad_partition_copies": grad_partition_copies,
+        "grad_partition": sum(g.numel() for g in grad_chunks),
+        # reduced-gradient chunks with memory of their own (stage 1 reduces into its chunk of
+        # the full gradient buffers)
+        "grad_partition_copies": _numel_outside(grad_chunks, grad_buffers),
         "grad_partition_after_step": grads_after_step,
         "master_partition": sum(m.numel() for m in strategy.master_chunks),
         # masters that are not the model's own memory (fp32 steps the parameter chunks)
-        "master_copies": sum(
-            m.numel()
-            for m in strategy.master_chunks
-            if not any(
-                m.untyped_storage().data_ptr() == f.untyped_storage().data_ptr()
-                for f in strategy.flat_params.buffers
-            )
-        ),
+        "master_copies": _numel_outside(strategy.master_chunks, strategy.flat_params.buffers),
         # parameters not stored in the flat buffers
-        "params_outside_flat": sum(
-            p.numel()
-            for p in model.parameters()
-            if not any(
-                p.untyped_storage().data_ptr() == f.untyped_storage().data_ptr()
-                for f in strategy.flat_params.buffers
-            )
+        "params_outside_flat": _numel_outside(
+            list(model.parameters()), strategy.flat_params.buffers
         ),
         "exp_avg": state_elems["exp_avg"],
         "exp_avg_sq": state_elems["exp_avg_sq"],
-        "max_bucket": max(b.size for b in strategy.buckets.buckets),
         "world": dist.get_world_size(),
     }
     engine.destroy()
