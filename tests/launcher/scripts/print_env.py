@@ -33,8 +33,11 @@ def main(argv: list[str]) -> int:
     record["argv"] = argv
     record["pid"] = os.getpid()
     record["affinity"] = sorted(os.sched_getaffinity(0))
-    with open(os.path.join(out_dir, f"{rank}.json"), "w") as handle:
+    # Write then rename, so a test polling the directory never reads a half-written record.
+    final = os.path.join(out_dir, f"{rank}.json")
+    with open(final + ".tmp", "w") as handle:
         json.dump(record, handle)
+    os.replace(final + ".tmp", final)
     print(f"hello from rank {rank}", flush=True)
     if "--exit_rank" in argv and argv[argv.index("--exit_rank") + 1] == rank:
         return int(argv[argv.index("--exit_code") + 1])

@@ -59,8 +59,10 @@ def main() -> int:
     init()
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.pid_dir:
-        with open(os.path.join(args.pid_dir, f"rank{rank}.pid"), "w") as handle:
+        pid_file = os.path.join(args.pid_dir, f"rank{rank}.pid")
+        with open(pid_file + ".tmp", "w") as handle:  # renamed: readers never see it half-written
             handle.write(str(os.getpid()))
+        os.replace(pid_file + ".tmp", pid_file)
     torch.manual_seed(1234 + rank)
     weight = torch.zeros(2, requires_grad=True)
     optimizer = torch.optim.SGD([weight], lr=0.1)
