@@ -186,8 +186,10 @@ def _write_pid_file(save_pid: int, ranks: list[RankProcess]) -> str | None:
     if not save_pid:
         return None
     path = os.path.join(PID_FILE_DIR, f"{save_pid}{PID_FILE_SUFFIX}")
-    with open(path, "w", encoding="utf-8") as handle:
+    # Written aside and renamed: whoever polls for the file never reads it half-written.
+    with open(path + ".tmp", "w", encoding="utf-8") as handle:
         handle.write(f"{os.getpid()}\n{','.join(str(r.popen.pid) for r in ranks)}\n")
+    os.replace(path + ".tmp", path)
     return path
 
 
