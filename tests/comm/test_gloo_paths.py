@@ -60,6 +60,24 @@ def test_reduce_scatter_fast_path_group_of_one(dist_pool):
     dist_pool(2).run(_group_of_one)
 
 
+def _awkward_outputs() -> None:
+    """Outputs the send/recv path leaves to gloo's own: strided, or overlapping another chunk."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    tensor = torch.arange(world * 4.0) * (rank + 1)
+    expected = torch.arange(world * 4.0).view(world, 4)[rank] * sum(range(1, world + 1))
+    strided = torch.zeros(4, 2)[:, 0]
+    comm.reduce_scatter_tensor(strided, tensor.clone(), op=comm.ReduceOp.SUM)
+    torch.testing.assert_close(strided, expected)
+    source = tensor.clone()
+    elsewhere = source.view(world, 4)[(rank + 1) % world]  # another rank's chunk of the input
+    comm.reduce_scatter_tensor(elsewhere, source, op=comm.ReduceOp.SUM)
+    torch.testing.assert_close(elsewhere, expected)
+
+
+def test_reduce_scatter_fast_path_leaves_awkward_outputs_to_gloo(dist_pool):
+    dist_pool(2).run(_awkward_outputs)
+
+
 def test_reduce_scatter_fast_path_bf16_and_subgroups(dist_pool):
     dist_pool(2).run(matches_native, "SUM", torch.bfloat16, True, False)
     dist_pool(4).run(matches_native, "SUM", torch.float32, True, True)
