@@ -5,8 +5,10 @@ state (loss scaler, fp32 masters, torch optimizer state), the LR scheduler, the 
 the client state; ``save_dir/latest`` names the newest tag. Where the ZeRO strategy partitions the
 optimizer state (stages 1 and 2) every data-parallel rank also writes its own shard, named by the
 strategy (``zero_pp_rank_{r}_mp_rank_00_optim_states.pt``), and the model file holds no optimizer
-state. Files are written to a temporary name and renamed, so an interrupted save never leaves a
-truncated checkpoint behind.
+state. The shards carry their bucket layout, so a job with another data-parallel size, bucket
+size or stage (1 or 2) resumes from them: each rank rebuilds its own partition
+(:mod:`~shardspeed.runtime.zero.reshard`). Files are written to a temporary name and renamed, so
+an interrupted save never leaves a truncated checkpoint behind.
 """
 
 from __future__ import annotations
@@ -84,6 +86,38 @@ def _optimizer_shard_name(engine: DeepSpeedEngine) -> str | None:
     return None if engine.optimizer is None else engine.optimizer.strategy.checkpoint_shard_name()
 
 
+def _sharded_optimizer_state(
+    engine: DeepSpeedEngine, folder: Path, state: dict[str, Any]
+) -> dict[str, Any]:
+    """This rank's optimizer state from the shards every rank of the saving job wrote, for
+    this run's data-parallel size and buckets (which may differ from the saving job's)."""
+    assert engine.optimizer is not None
+    strategy = engine.optimizer.strategy
+    if state.get("optimizer") is not None or not state.get("dp_world_size"):
+        raise ValueError(
+            f"the checkpoint in {folder} holds no ZeRO optimizer shards (saved with ZeRO stage "
+            f"{state.get('zero_stage')}), and this run partitions the optimizer (stage "
+            f"{strategy.stage}); resume with stage {state.get('zero_stage')}, or pass "
+            "load_optimizer_states=False to take the module weights only"
+        )
+    count = int(state["dp_world_size"])
+    paths = [folder / str(strategy.checkpoint_shard_name(rank)) for rank in range(count)]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"ZeRO optimizer shards missing from the checkpoint: {missing[:4]}; every rank of "
+            "the saving job writes one, so copy the whole tag directory, or pass "
+            "load_optimizer_states=False to take the module weights only"
+        )
+
+    def read(rank: int) -> dict[str, Any]:
+        # memory-mapped: a rank reads only the pieces of each shard it re-partitions
+        saved = torch.load(paths[rank], map_location="cpu", weights_only=False, mmap=True)
+        return saved["optimizer_state_dict"]
+
+    return strategy.sharded_state(read, count)
+
+
 def resolve_tag(load_dir: str, tag: str | None) -> str | None:
     """The tag to load: the one given, else the one named in ``latest`` (None if absent)."""
     if tag is not None:
@@ -116,17 +150,10 @@ def load(
     engine.load_module_state_dict(state, strict=load_module_strict, custom_load_fn=custom_load_fn)
     shard = _optimizer_shard_name(engine)
     if load_optimizer_states and shard is not None:
-        shard_path = Path(load_dir) / tag / shard
-        if not shard_path.is_file():
-            raise FileNotFoundError(
-                f"optimizer shard {shard_path} does not exist: the checkpoint was saved with "
-                f"another ZeRO stage or data-parallel size (saved: stage "
-                f"{state.get('zero_stage')}, {state.get('dp_world_size')} ranks); resume with "
-                "the same settings or pass load_optimizer_states=False"
-            )
-        saved = torch.load(shard_path, map_location="cpu", weights_only=False)
         assert engine.optimizer is not None  # a shard name comes from the optimizer's strategy
-        engine.optimizer.load_state_dict(saved["optimizer_state_dict"])
+        engine.optimizer.load_state_dict(
+            _sharded_optimizer_state(engine, Path(load_dir) / tag, state)
+        )
     elif load_optimizer_states and engine.optimizer is not None and state.get("optimizer"):
         engine.optimizer.load_state_dict(state["optimizer"])
     elif engine.optimizer is not None:

@@ -66,6 +66,10 @@ class DeepSpeedEngine(nn.Module):
         self._config = config_class if config_class is not None else DeepSpeedConfig(config)
         self.module = model
         self.micro_steps = 0
+        #: ``micro_steps`` when the current accumulation window opened (a loaded checkpoint
+        #: opens a new one: it holds no partly accumulated gradients, and may have been saved
+        #: with another gradient_accumulation_steps)
+        self._window_start = 0
         self.global_steps = 0
         self.global_samples = 0
         self.skipped_steps = 0
@@ -281,7 +285,8 @@ class DeepSpeedEngine(nn.Module):
     def is_gradient_accumulation_boundary(self) -> bool:
         if self._boundary_override is not None:
             return self._boundary_override
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+        window = self.micro_steps - self._window_start
+        return (window + 1) % self.gradient_accumulation_steps() == 0
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """Override the boundary computed from the micro-step counter (None-like reset: use
@@ -441,7 +446,7 @@ class DeepSpeedEngine(nn.Module):
         custom_load_fn: Any = None,
     ) -> tuple[str | None, dict[str, Any] | None]:
         """Restore a checkpoint written by :meth:`save_checkpoint`; returns (path, client_state)."""
-        return checkpointer.load(
+        loaded = checkpointer.load(
             self,
             load_dir,
             tag,
@@ -450,6 +455,8 @@ class DeepSpeedEngine(nn.Module):
             load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only,
             custom_load_fn=custom_load_fn,
         )
+        self._window_start = self.micro_steps
+        return loaded
 
     def save_16bit_model(
         self,

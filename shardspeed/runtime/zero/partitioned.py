@@ -22,6 +22,7 @@ partition and the buckets in flight hold gradients.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -34,6 +35,7 @@ from shardspeed.runtime.precision.overflow import unscale_
 from shardspeed.runtime.zero.buckets import GradBucket, GradientBuckets
 from shardspeed.runtime.zero.flat_params import FlatParams
 from shardspeed.runtime.zero.partition import FlatPartition, Piece
+from shardspeed.runtime.zero.reshard import BucketLayout, Resharder, layouts_match
 from shardspeed.runtime.zero.stage0 import (
     accumulation_dtype,
     comm_source,
@@ -296,13 +298,49 @@ class PartitionedStrategy(ZeroStrategy):
             group=self.ctx.dp_group,
         )
 
-    def checkpoint_shard_name(self) -> str | None:
-        return f"zero_pp_rank_{self.ctx.dp_rank}_mp_rank_00_optim_states.pt"
+    def checkpoint_shard_name(self, dp_rank: int | None = None) -> str | None:
+        rank = self.ctx.dp_rank if dp_rank is None else dp_rank
+        return f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+
+    def bucket_layout(self) -> list[BucketLayout]:
+        """Which parameter (by name) sits where in which bucket: saved with every shard, so the
+        checkpoint can be re-partitioned (:mod:`~shardspeed.runtime.zero.reshard`)."""
+        names = {id(p): name for name, p in self.module.named_parameters()}
+        stepped = [p for group in self.optimizer.param_groups for p in group["params"]]
+        index = {id(p): i for i, p in enumerate(stepped)}  # torch's state_dict numbering
+        return [
+            {
+                "group": self._group_of[id(bucket.params[0])],
+                "size": bucket.size,
+                "state_index": index[id(self.master_chunks[bucket.index])],
+                "params": [
+                    [names[id(p)], offset, p.numel()]
+                    for p, offset in zip(bucket.params, bucket.offsets, strict=True)
+                ],
+            }
+            for bucket in self.buckets.buckets
+        ]
+
+    def sharded_state(
+        self, load_shard: Callable[[int], dict[str, Any]], count: int
+    ) -> dict[str, Any]:
+        # always rebuilt from the shards, also when nothing changed: one path, and the
+        # rebuilt tensors own their memory (the shards may be memory-mapped files)
+        layout, world = self.bucket_layout(), self.ctx.dp_world_size
+        resharder = Resharder(load_shard, count)
+        if not layouts_match(resharder.shards[0]["strategy"], layout, world):
+            log_dist(
+                f"re-partitioning ZeRO optimizer shards saved by {count} ranks for {world} "
+                "ranks and this run's buckets",
+                [0],
+            )
+        return resharder.state_for(layout, world, self.ctx.dp_rank)
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         state["dp_world_size"] = self.ctx.dp_world_size
         state["chunk_numel"] = list(self.partition.chunk_numel)
+        state["layout"] = self.bucket_layout()
         # copies: a chunk of the flat parameters would otherwise save the whole flat buffer
         state["fp32_chunks"] = [m.detach().clone() for m in self.master_chunks]
         return state
@@ -313,16 +351,12 @@ class PartitionedStrategy(ZeroStrategy):
             # no partitions saved (e.g. only the module was loaded): start from the model weights
             self._fill_masters_from_model()
             return
-        numel = state.get("chunk_numel")
-        if state.get("dp_world_size") != self.ctx.dp_world_size or numel != list(
-            self.partition.chunk_numel
-        ):
+        if not layouts_match(state, self.bucket_layout(), self.ctx.dp_world_size):
             raise ValueError(
-                f"checkpoint partitions were saved with data-parallel size "
-                f"{state.get('dp_world_size')} and chunk sizes {numel}; this run has "
-                f"{self.ctx.dp_world_size} and {self.partition.chunk_numel}. Loading ZeRO "
-                "checkpoints into another world size or bucket layout is not supported yet: "
-                "resume with the same world size and zero_optimization settings"
+                f"this optimizer state is one rank's partition for data-parallel size "
+                f"{state.get('dp_world_size')} and chunk sizes {state.get('chunk_numel')}; this "
+                f"run has {self.ctx.dp_world_size} and {self.partition.chunk_numel}. Load it "
+                "with engine.load_checkpoint(), which re-partitions the saved shards"
             )
         with torch.no_grad():
             for master, value in zip(self.master_chunks, saved, strict=True):

@@ -25,7 +25,7 @@ its pieces through :meth:`ZeroStrategy.param_fragment`; nothing is stored on the
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -147,10 +147,20 @@ class ZeroStrategy(ABC):
     def param_fragment(self, param: nn.Parameter) -> ParamFragment | None:
         """This rank's piece of ``param``; None if the optimizer does not train it."""
 
-    def checkpoint_shard_name(self) -> str | None:
-        """File name of this rank's own optimizer checkpoint, or None if the optimizer state is
-        replicated (then it is saved once, with the model states)."""
+    def checkpoint_shard_name(self, dp_rank: int | None = None) -> str | None:
+        """File name of data-parallel rank ``dp_rank``'s (default: this rank's) optimizer
+        checkpoint, or None if the optimizer state is replicated (then it is saved once, with
+        the model states)."""
+        del dp_rank
         return None
+
+    def sharded_state(
+        self, load_shard: Callable[[int], dict[str, Any]], count: int
+    ) -> dict[str, Any]:
+        """This rank's optimizer-wrapper state from a checkpoint whose ``count`` ranks each
+        saved a shard (``load_shard(r)`` reads rank ``r``'s); only for strategies that name
+        shards (:meth:`checkpoint_shard_name`)."""
+        raise NotImplementedError(f"ZeRO stage {self.stage} keeps no optimizer shards")
 
     def master_params(self) -> list[torch.Tensor]:
         """The tensors the wrapped optimizer updates (for state inspection and checkpoints)."""

@@ -1,0 +1,188 @@
+"""Re-partitioning ZeRO stage 1/2 checkpoints for another data-parallel size or bucket layout.
+
+Every rank of a stage 1/2 job saves its chunk of each bucket (fp32 masters, per-element optimizer
+state) together with the bucket layout: which parameter, by name, sits at which offset of which
+bucket, and the bucket's padded size. That is enough to find any element of any parameter in the
+saved shards, so a job with ``N'`` ranks or other bucket sizes can build each rank's new chunks
+directly: for every parameter piece of its new chunk, copy the matching range of the old flat
+bucket, which spans one or more old ranks' chunks. Shards are opened memory-mapped (see
+:func:`shardspeed.runtime.checkpointer.load`), so a rank reads the ranges it needs, not every
+shard whole.
+
+Per-element optimizer state is every 1-D tensor of a bucket's state with the chunk's length
+(Adam's ``exp_avg``/``exp_avg_sq``, Adagrad's sum, ...); anything else (``step``) is the same for
+every bucket of a parameter group and is taken from the group's first saved bucket. Padding
+elements of a new chunk start at zero.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+#: a bucket's layout as saved: ``{"group", "size", "state_index", "params": [[name, offset,
+#: numel], ...]}`` (plain Python, so checkpoints stay readable without shardspeed)
+BucketLayout = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class _Source:
+    """Where a parameter lives in the saved layout."""
+
+    bucket: int
+    offset: int
+
+
+def layouts_match(saved: dict[str, Any], layout: list[BucketLayout], world: int) -> bool:
+    """Whether a rank's saved strategy state has exactly this run's partitioning."""
+    return saved.get("dp_world_size") == world and saved.get("layout") == layout
+
+
+class Resharder:
+    """Builds this rank's optimizer-wrapper state for ``layout`` from shards saved by ``count``
+    ranks; ``load_shard(r)`` returns rank ``r``'s saved optimizer-wrapper state."""
+
+    def __init__(self, load_shard: Callable[[int], dict[str, Any]], count: int) -> None:
+        self.shards = [load_shard(r) for r in range(count)]
+        old_layout = self.shards[0]["strategy"].get("layout")
+        if old_layout is None:
+            raise ValueError(
+                "the checkpoint's ZeRO shards carry no bucket layout (saved by an older "
+                "shardspeed), so they can only be loaded with the data-parallel size and "
+                f"zero_optimization settings they were saved with ({count} ranks)"
+            )
+        self.old_layout: list[BucketLayout] = old_layout
+        self.old_world = count
+        self.sources = {
+            name: _Source(index, offset)
+            for index, bucket in enumerate(self.old_layout)
+            for name, offset, _ in bucket["params"]
+        }
+
+    def state_for(self, layout: list[BucketLayout], world: int, rank: int) -> dict[str, Any]:
+        """This rank's optimizer-wrapper state (``ZeroOptimizer.state_dict()`` form) under
+        ``layout`` split across ``world`` ranks."""
+        self._check_params(layout)
+        saved_optimizer = self.shards[0]["optimizer"]
+        if len(saved_optimizer["param_groups"]) != 1 + max(b["group"] for b in layout):
+            raise ValueError(
+                f"the checkpoint's optimizer has {len(saved_optimizer['param_groups'])} parameter "
+                "groups and this run's a different number; build the optimizer with the same "
+                "groups to load its state"
+            )
+        masters, states = [], {}
+        for bucket in layout:
+            chunk = bucket["size"] // world
+            masters.append(self._chunk(bucket, chunk, rank, self._master_of))
+            keys = self._element_keys(bucket["group"])
+            if keys is None:  # the optimizer had not stepped: no state to carry
+                continue
+            state = dict(self._scalars(bucket["group"]))
+            for key in keys:
+                state[key] = self._chunk(bucket, chunk, rank, self._state_of(key))
+            states[bucket["state_index"]] = state
+        groups = [
+            {
+                **saved,
+                "params": [b["state_index"] for b in layout if b["group"] == index],
+            }
+            for index, saved in enumerate(saved_optimizer["param_groups"])
+        ]
+        strategy = dict(self.shards[0]["strategy"])
+        strategy.update(
+            dp_world_size=world,
+            chunk_numel=[b["size"] // world for b in layout],
+            layout=layout,
+            fp32_chunks=masters,
+        )
+        return {
+            "optimizer": {"state": states, "param_groups": groups},
+            "loss_scaler": self.shards[0]["loss_scaler"],
+            "strategy": strategy,
+        }
+
+    # -- reading the old shards -----------------------------------------------------------
+    def _check_params(self, layout: list[BucketLayout]) -> None:
+        names = {name for bucket in layout for name, _, _ in bucket["params"]}
+        missing = sorted(names - set(self.sources))
+        extra = sorted(set(self.sources) - names)
+        if missing or extra:
+            raise ValueError(
+                "the checkpoint's ZeRO shards hold other trainable parameters than this model: "
+                f"missing from the checkpoint {missing[:5]}, not in this model {extra[:5]}; "
+                "load with load_optimizer_states=False to take the module weights only"
+            )
+
+    def _master_of(self, rank: int, bucket: int) -> torch.Tensor:
+        return self.shards[rank]["strategy"]["fp32_chunks"][bucket]
+
+    def _state_of(self, key: str) -> Callable[[int, int], torch.Tensor]:
+        def read(rank: int, bucket: int) -> torch.Tensor:
+            index = self.old_layout[bucket]["state_index"]
+            return self.shards[rank]["optimizer"]["state"][index][key]
+
+        return read
+
+    def _first_state(self, group: int) -> dict[str, Any] | None:
+        """The saved state of ``group``'s first bucket on rank 0 (None if it never stepped)."""
+        for bucket in self.old_layout:
+            if bucket["group"] == group:
+                return self.shards[0]["optimizer"]["state"].get(bucket["state_index"])
+        return None
+
+    def _element_keys(self, group: int) -> list[str] | None:
+        state = self._first_state(group)
+        if state is None:
+            return None
+        bucket = next(b for b in self.old_layout if b["group"] == group)
+        chunk = bucket["size"] // self.old_world
+        return [
+            k
+            for k, v in state.items()
+            if torch.is_tensor(v) and v.dim() == 1 and v.numel() == chunk
+        ]
+
+    def _scalars(self, group: int) -> dict[str, Any]:
+        state = self._first_state(group) or {}
+        keys = set(self._element_keys(group) or [])
+        return {
+            k: v.clone() if torch.is_tensor(v) else v for k, v in state.items() if k not in keys
+        }
+
+    def _chunk(
+        self,
+        bucket: BucketLayout,
+        chunk: int,
+        rank: int,
+        read: Callable[[int, int], torch.Tensor],
+    ) -> torch.Tensor:
+        """This rank's new chunk of ``bucket``, filled from the old shards via ``read``."""
+        lo, hi = chunk * rank, chunk * (rank + 1)
+        out: torch.Tensor | None = None
+        for name, offset, numel in bucket["params"]:
+            start, stop = max(offset, lo), min(offset + numel, hi)
+            if start >= stop:
+                continue
+            source = self.sources[name]
+            old_chunk = self.old_layout[source.bucket]["size"] // self.old_world
+            # elements [start-offset, stop-offset) of the parameter, in the old flat bucket
+            first = source.offset + start - offset
+            last = source.offset + stop - offset
+            position = start - lo
+            while first < last:
+                owner = first // old_chunk
+                end = min(last, (owner + 1) * old_chunk)
+                piece = read(owner, source.bucket)[
+                    first - owner * old_chunk : end - owner * old_chunk
+                ]
+                if out is None:
+                    out = torch.zeros(chunk, dtype=piece.dtype)
+                out[position : position + end - first] = piece
+                position += end - first
+                first = end
+        if out is None:  # a chunk of padding only: dtype of any saved chunk of this kind
+            out = torch.zeros(chunk, dtype=read(0, 0).dtype)
+        return out

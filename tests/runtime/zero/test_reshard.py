@@ -1,0 +1,199 @@
+"""ZeRO 1/2 checkpoints resume on another data-parallel size, bucket size or stage.
+
+A job saves mid-training, records its full optimizer state and goes on; a job of another shape
+loads the save and must hold the same full state (bit for bit: resharding only moves numbers)
+and continue with the same losses and parameters as the saving job (the global batch is kept the
+same: micro 2 x gas x world = 8 rows, so only float summation order differs).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardspeed.runtime.zero.reshard import Resharder
+from shardspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+from tests.runtime.parity import assert_close, make_task, rank_rows
+from tests.runtime.zero.ranks import _engine
+
+GLOBAL_ROWS = 8
+KEYS = ("exp_avg", "exp_avg_sq")
+
+
+def _full_state(engine: Any) -> dict[str, torch.Tensor]:
+    """Every trainable parameter's fp32 value and Adam state, gathered from all ranks."""
+    state = {}
+    for name, param in engine.module.named_parameters():
+        if param.requires_grad:
+            state[name] = safe_get_full_fp32_param(param).clone()
+            for key in KEYS:
+                state[f"{name}:{key}"] = safe_get_full_optimizer_state(param, key).clone()
+    return state
+
+
+def _train(engine: Any, task: Any, steps: range, gas: int) -> list[float]:
+    """Train ``steps``; each step's loss averaged over the whole global batch (all ranks)."""
+    x, y = task.data
+    losses = []
+    for step in steps:
+        total = torch.zeros(())
+        for micro_step in range(gas):
+            rows = rank_rows(step, micro_step, 2, gas)
+            loss = engine(x[rows], y[rows])
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach()
+        dist.all_reduce(total)
+        losses.append(total.item() / (gas * dist.get_world_size()))
+    return losses
+
+
+def _build(stage: int, bucket: int, seed: int) -> tuple[Any, Any, int]:
+    gas = GLOBAL_ROWS // (2 * dist.get_world_size())
+    torch.manual_seed(0)
+    task = make_task("gpt", rows=6 * GLOBAL_ROWS)
+    torch.manual_seed(seed)  # the loading job's own initial weights must not matter
+    zero = {"reduce_bucket_size": bucket}
+    return _engine(task.build(), stage, gas=gas, zero=zero), task, gas
+
+
+def save_and_continue(folder: str, stage: int, bucket: int) -> None:
+    engine, task, gas = _build(stage, bucket, seed=0)
+    _train(engine, task, range(3), gas)
+    engine.save_checkpoint(folder, tag="mid")
+    saved = _full_state(engine)
+    losses = _train(engine, task, range(3, 6), gas)
+    params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    if dist.get_rank() == 0:
+        torch.save({"state": saved, "losses": losses, "params": params}, Path(folder) / "ref.pt")
+    dist.barrier()
+    engine.destroy()
+
+
+def load_and_continue(folder: str, stage: int, bucket: int) -> None:
+    engine, task, gas = _build(stage, bucket, seed=123)
+    path, _ = engine.load_checkpoint(folder, tag="mid")
+    assert path is not None and engine.global_steps == 3
+    ref = torch.load(Path(folder) / "ref.pt", weights_only=False)
+    loaded = _full_state(engine)
+    assert loaded.keys() == ref["state"].keys()
+    for key, value in ref["state"].items():
+        assert torch.equal(loaded[key], value), key
+    losses = _train(engine, task, range(3, 6), gas)
+    assert_close(torch.tensor(losses), torch.tensor(ref["losses"]), "losses", 1e-5, 1e-6)
+    for name, param in engine.module.named_parameters():
+        assert_close(param.detach(), ref["params"][name], name, 1e-5, 1e-6)
+    engine.destroy()
+
+
+def _reshape(
+    pool_from: Any, pool_to: Any, folder: Path, saved: tuple[int, int], loaded: tuple[int, int]
+) -> None:
+    pool_from.run(save_and_continue, str(folder), *saved)
+    pool_to.run(load_and_continue, str(folder), *loaded)
+
+
+@pytest.mark.timeout(240)
+def test_resume_on_more_ranks_other_buckets_and_stage(dist_pool, tmp_path):
+    # 2 ranks, stage 1, small buckets -> 4 ranks, stage 2, other bucket boundaries
+    _reshape(dist_pool(2), dist_pool(4), tmp_path, saved=(1, 3000), loaded=(2, 7000))
+
+
+@pytest.mark.timeout(240)
+def test_resume_on_fewer_ranks(dist_pool, tmp_path):
+    # 4 ranks, stage 2 -> 2 ranks, stage 1, one bucket per parameter group
+    _reshape(dist_pool(4), dist_pool(2), tmp_path, saved=(2, 5000), loaded=(1, 500_000_000))
+
+
+@pytest.mark.timeout(240)
+def test_resume_same_ranks_other_buckets(dist_pool, tmp_path):
+    pool = dist_pool(2)
+    _reshape(pool, pool, tmp_path, saved=(2, 500_000_000), loaded=(2, 2000))
+
+
+def refusals(folder: str) -> None:
+    """What cannot be re-partitioned is refused by name, and the module weights still load."""
+    base = Path(folder)
+    stage0, _, _ = _build(0, 3000, seed=0)
+    stage0.save_checkpoint(str(base / "s0"), tag="t")
+    stage1, _, _ = _build(1, 3000, seed=1)
+    with pytest.raises(ValueError, match="holds no ZeRO optimizer shards .* stage 0"):
+        stage1.load_checkpoint(str(base / "s0"), tag="t")
+    stage1.load_checkpoint(str(base / "s0"), tag="t", load_optimizer_states=False)
+    for p, q in zip(stage0.module.parameters(), stage1.module.parameters(), strict=True):
+        assert torch.equal(p, q)
+    stage1.save_checkpoint(str(base / "s1"), tag="t")
+    if dist.get_rank() == 0:
+        (base / "s1" / "t" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    dist.barrier()
+    with pytest.raises(FileNotFoundError, match="zero_pp_rank_1_mp_rank_00_optim_states.pt"):
+        stage1.load_checkpoint(str(base / "s1"), tag="t")
+    for engine in (stage0, stage1):
+        engine.destroy()
+
+
+def test_refusals(dist_pool, tmp_path):
+    dist_pool(2).run(refusals, str(tmp_path))
+
+
+def _wrapper_state(
+    layout: list[dict[str, Any]], world: int, rank: int, full: dict[str, torch.Tensor]
+) -> dict[str, Any]:
+    """A rank's saved optimizer-wrapper state, cut by hand from per-parameter ``full`` tensors."""
+    masters, states = [], {}
+    for bucket in layout:
+        chunk = bucket["size"] // world
+        flat = {kind: torch.zeros(bucket["size"]) for kind in ("master", "m")}
+        for name, offset, numel in bucket["params"]:
+            flat["master"][offset : offset + numel] = full[name]
+            flat["m"][offset : offset + numel] = -full[name]
+        part = slice(chunk * rank, chunk * (rank + 1))
+        masters.append(flat["master"][part].clone())
+        states[bucket["state_index"]] = {"step": torch.tensor(7.0), "m": flat["m"][part].clone()}
+    groups = [{"lr": 0.1, "params": [b["state_index"] for b in layout]}]
+    return {
+        "optimizer": {"state": states, "param_groups": groups},
+        "loss_scaler": {"cur_scale": 1.0},
+        "strategy": {"stage": 1, "dp_world_size": world, "layout": layout, "fp32_chunks": masters},
+    }
+
+
+def test_resharder_index_arithmetic():
+    """3 ranks, two buckets -> 2 ranks, one bucket in another parameter order; no processes."""
+    full = {
+        "a": torch.arange(1.0, 6.0),
+        "b": torch.arange(10.0, 14.0),
+        "c": torch.arange(20.0, 27.0),
+    }
+    old = [
+        {"group": 0, "size": 9, "state_index": 0, "params": [["a", 0, 5], ["b", 5, 4]]},
+        {"group": 0, "size": 9, "state_index": 1, "params": [["c", 0, 7]]},
+    ]
+    new = [
+        {
+            "group": 0,
+            "size": 18,
+            "state_index": 0,
+            "params": [["c", 0, 7], ["b", 7, 4], ["a", 11, 5]],
+        }
+    ]
+    shards = [_wrapper_state(old, 3, r, full) for r in range(3)]
+    resharder = Resharder(lambda r: copy.deepcopy(shards[r]), 3)
+    got = [resharder.state_for(new, 2, r) for r in range(2)]
+    expected = _wrapper_state(new, 2, 0, full), _wrapper_state(new, 2, 1, full)
+    for mine, want in zip(got, expected, strict=True):
+        assert torch.equal(mine["strategy"]["fp32_chunks"][0], want["strategy"]["fp32_chunks"][0])
+        assert torch.equal(mine["optimizer"]["state"][0]["m"], want["optimizer"]["state"][0]["m"])
+        assert mine["optimizer"]["state"][0]["step"] == 7.0
+        assert mine["optimizer"]["param_groups"] == [{"lr": 0.1, "params": [0]}]
+        assert mine["strategy"]["chunk_numel"] == [9]
+    # a model with another parameter set is refused by name
+    with pytest.raises(ValueError, match=r"missing from the checkpoint \['d'\]"):
+        resharder.state_for(
+            [{"group": 0, "size": 2, "state_index": 0, "params": [["d", 0, 2]]}], 2, 0
+        )
