@@ -93,8 +93,8 @@ class MasterWeights:
     def rebind_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Make ``optimizer`` step the masters instead of the model parameters it was built on.
 
-        Every ``param_group["params"]`` entry is swapped for its master; group hyperparameters
-        are kept. The optimizer must not have state yet (it would be keyed by the old tensors).
+        Every ``param_group["params"]`` entry is swapped for its master and frozen parameters
+        (``requires_grad=False``) are dropped; group hyperparameters are kept. The optimizer must not have state yet (it would be keyed by the old tensors).
         """
         if not self.enabled:
             return
@@ -108,6 +108,8 @@ class MasterWeights:
         for index, group in enumerate(optimizer.param_groups):
             rebound = []
             for param in group["params"]:
+                if id(param) not in master_of and not param.requires_grad:
+                    continue  # a frozen parameter: nothing to step (as DeepSpeed skips it)
                 if id(param) not in master_of:
                     raise ValueError(
                         f"optimizer param_groups[{index}] holds a tensor of shape "
