@@ -14,12 +14,14 @@ an interrupted save never leaves a truncated checkpoint behind.
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from shardspeed import comm
+from shardspeed.utils import zero_to_fp32
 from shardspeed.utils.logging import log_dist
 from shardspeed.version import __version__
 
@@ -65,6 +67,7 @@ def save(
             "lr_scheduler": engine.lr_scheduler.state_dict()
             if engine.lr_scheduler is not None
             else None,
+            "buffer_names": [name for name, _ in engine.module.named_buffers()],
             "dp_world_size": engine.dp_world_size,
             "zero_stage": engine.zero_optimization_stage(),
             "ds_config": engine.config.raw,
@@ -73,6 +76,8 @@ def save(
             **client_state,
         }
         _atomic_save(state, folder / MODEL_STATES)
+        # as DeepSpeed does: the consolidation script travels with the checkpoint (torch only)
+        shutil.copyfile(zero_to_fp32.__file__, Path(save_dir) / "zero_to_fp32.py")
         if save_latest:
             (Path(save_dir) / LATEST_FILE).write_text(tag)
     if comm.get_world_size() > 1:
@@ -168,6 +173,7 @@ def load(
         "module",
         "optimizer",
         "lr_scheduler",
+        "buffer_names",
         "dp_world_size",
         "zero_stage",
         "ds_config",

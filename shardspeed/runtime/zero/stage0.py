@@ -193,6 +193,8 @@ class ReplicatedStrategy(ZeroStrategy):
         state = super().state_dict()
         if not self.masters.is_identity:
             state["fp32_masters"] = [m.detach().clone() for m in self.masters.master_params]
+            names = {id(p): name for name, p in self.module.named_parameters()}
+            state["master_names"] = [names[id(p)] for p in self.masters.model_params]
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

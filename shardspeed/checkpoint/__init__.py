@@ -1,0 +1,1 @@
+"""Checkpoint helpers DeepSpeed documents under ``deepspeed.checkpoint``."""

@@ -1,0 +1,264 @@
+"""Consolidate a ZeRO checkpoint into one fp32 ``state_dict`` (DeepSpeed's ``zero_to_fp32``).
+
+A stage 1/2 checkpoint keeps the fp32 master weights split across one optimizer shard per
+data-parallel rank, each with its bucket layout (which parameter, by name, sits at which offset
+of which flat bucket). Putting a parameter back together is reading its range of the flat bucket
+from the shards that hold it. A stage 0 checkpoint holds the masters whole. Frozen parameters
+and buffers come from the model-states file as saved.
+
+This file needs only torch (and safetensors for ``safe_serialization``): ``save_checkpoint``
+copies it into the checkpoint directory, so a checkpoint can be consolidated where shardspeed is
+not installed::
+
+    python zero_to_fp32.py <checkpoint_dir> <output_dir> [--tag TAG] [--max_shard_size 5GB]
+        [--safe_serialization] [--exclude_frozen_parameters]
+
+It needs CPU memory for the whole fp32 model (the shards are memory-mapped, so not for them);
+with ``lazy_mode=True`` each tensor is built only when ``.contiguous()`` asks for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+MODEL_STATES = "mp_rank_00_model_states.pt"
+SHARD = "zero_pp_rank_{}_mp_rank_00_optim_states.pt"
+_UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+
+
+class LazyTensor:
+    """A consolidated tensor not built yet: ``.contiguous()`` builds it (on CPU)."""
+
+    def __init__(self, build: Callable[[], torch.Tensor], shape: torch.Size) -> None:
+        self._build = build
+        self.shape = shape
+
+    def contiguous(self) -> torch.Tensor:
+        return self._build()
+
+    def __repr__(self) -> str:
+        return f"LazyTensor(shape={tuple(self.shape)})"
+
+
+def _tag_folder(checkpoint_dir: str | os.PathLike[str], tag: str | None) -> Path:
+    root = Path(checkpoint_dir)
+    if tag is None:
+        latest = root / "latest"
+        if not latest.is_file():
+            raise FileNotFoundError(
+                f"no 'latest' file in {root}: pass tag= (one of the sub-directories, e.g. "
+                "global_step14), or point checkpoint_dir at the directory save_checkpoint wrote"
+            )
+        tag = latest.read_text().strip()
+    folder = root / str(tag)
+    if not (folder / MODEL_STATES).is_file():
+        raise FileNotFoundError(f"{folder / MODEL_STATES} does not exist: not a checkpoint tag")
+    return folder
+
+
+def _load(path: Path) -> Any:
+    return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+
+
+def _stage12_masters(folder: Path, count: int) -> dict[str, tuple[Callable[[], torch.Tensor], int]]:
+    """Builders of each trainable parameter's flat fp32 master from the ``count`` shards."""
+    paths = [folder / SHARD.format(rank) for rank in range(count)]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"ZeRO optimizer shards missing: {missing[:4]} (copy the tag whole)"
+        )
+    states = [_load(p)["optimizer_state_dict"]["strategy"] for p in paths]
+    layout = states[0].get("layout")
+    if layout is None:
+        raise ValueError(f"the shards in {folder} carry no bucket layout (an older shardspeed)")
+    chunks = [state["fp32_chunks"] for state in states]
+
+    def builder(bucket: int, offset: int, numel: int) -> Callable[[], torch.Tensor]:
+        def build() -> torch.Tensor:
+            size = layout[bucket]["size"] // count
+            pieces, first, last = [], offset, offset + numel
+            while first < last:  # the range spans the chunks of one or more ranks
+                owner, end = first // size, min(last, (first // size + 1) * size)
+                pieces.append(chunks[owner][bucket][first - owner * size : end - owner * size])
+                first = end
+            return torch.cat(pieces).float()  # a new tensor, never a view of a shard
+
+        return build
+
+    return {
+        name: (builder(index, offset, numel), numel)
+        for index, bucket in enumerate(layout)
+        for name, offset, numel in bucket["params"]
+    }
+
+
+def _flat_copy(master: torch.Tensor) -> torch.Tensor:
+    return master.float().reshape(-1).clone()
+
+
+def _shaped(build: Callable[[], torch.Tensor], shape: torch.Size) -> torch.Tensor:
+    return build().view(shape)
+
+
+def _stage0_masters(model: dict[str, Any]) -> dict[str, tuple[Callable[[], torch.Tensor], int]]:
+    strategy = (model.get("optimizer") or {}).get("strategy", {})
+    masters, names = strategy.get("fp32_masters"), strategy.get("master_names")
+    if masters is None:  # fp32 training: the module's weights are the masters
+        return {}
+    if names is None:
+        raise ValueError("this stage 0 checkpoint names no masters (an older shardspeed)")
+    return {
+        name: (partial(_flat_copy, master), master.numel())
+        for name, master in zip(names, masters, strict=True)
+    }
+
+
+def get_fp32_state_dict_from_zero_checkpoint(
+    checkpoint_dir: str | os.PathLike[str],
+    tag: str | None = None,
+    exclude_frozen_parameters: bool = False,
+    lazy_mode: bool = False,
+) -> dict[str, Any]:
+    """The checkpoint's weights as one ``state_dict``: trainable parameters as their fp32
+    masters, frozen parameters and buffers as saved. ``tag=None`` reads ``latest``."""
+    folder = _tag_folder(checkpoint_dir, tag)
+    model = _load(folder / MODEL_STATES)
+    stage = model.get("zero_stage", 0)
+    if stage in (1, 2):
+        masters = _stage12_masters(folder, int(model["dp_world_size"]))
+    elif stage == 0:
+        masters = _stage0_masters(model)
+    else:
+        raise ValueError(f"cannot consolidate a ZeRO stage {stage} checkpoint")
+    buffers = set(model.get("buffer_names", ()))
+    owner: dict[tuple[int, int, tuple[int, ...]], str] = {}  # tied weights share one master
+    result: dict[str, Any] = {}
+    for name, value in model["module"].items():
+        key = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape))
+        source = name if name in masters else owner.get(key)
+        if source is not None:
+            owner.setdefault(key, source)
+            build, numel = masters[source]
+            if numel != value.numel():
+                raise ValueError(
+                    f"{name}: {numel} master elements for a {tuple(value.shape)} tensor"
+                )
+            shaped = partial(_shaped, build, value.shape)
+            result[name] = LazyTensor(shaped, value.shape) if lazy_mode else shaped()
+        elif name in buffers or not exclude_frozen_parameters:
+            frozen = value.detach()
+            result[name] = LazyTensor(frozen.clone, value.shape) if lazy_mode else frozen.clone()
+    return result
+
+
+def load_state_dict_from_zero_checkpoint(
+    model: nn.Module, checkpoint_dir: str | os.PathLike[str], tag: str | None = None
+) -> nn.Module:
+    """Move ``model`` to CPU and load the consolidated fp32 weights into it (re-create the
+    engine afterwards: the model is no longer the one the engine trains)."""
+    state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
+    model = model.cpu()
+    model.load_state_dict(state, strict=False)
+    return model
+
+
+def _parse_size(size: int | str) -> int:
+    if isinstance(size, int):
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)B?\s*", size.upper())
+    if match is None:
+        raise ValueError(f"max_shard_size {size!r}: give bytes or a size like '5GB', '500MB'")
+    return int(float(match.group(1)) * _UNITS[match.group(2)])
+
+
+def convert_zero_checkpoint_to_fp32_state_dict(
+    checkpoint_dir: str | os.PathLike[str],
+    output_dir: str | os.PathLike[str],
+    max_shard_size: int | str = "5GB",
+    safe_serialization: bool = False,
+    tag: str | None = None,
+    exclude_frozen_parameters: bool = False,
+) -> list[Path]:
+    """Write the consolidated state_dict to ``output_dir`` (``pytorch_model.bin``, or
+    ``model.safetensors``), split into numbered files plus an index (Hugging Face's naming)
+    when it exceeds ``max_shard_size``; returns the files written."""
+    save: Callable[[dict[str, torch.Tensor], Path], None]
+    if safe_serialization:
+        try:
+            from safetensors.torch import save_file
+        except ImportError as error:
+            raise ImportError(
+                "safe_serialization=True needs safetensors: pip install safetensors"
+            ) from error
+        save, stem, ext = (lambda sd, p: save_file(sd, str(p))), "model", "safetensors"
+    else:
+        save, stem, ext = (lambda sd, p: torch.save(sd, p)), "pytorch_model", "bin"
+    limit = _parse_size(max_shard_size)
+    state = get_fp32_state_dict_from_zero_checkpoint(
+        checkpoint_dir, tag, exclude_frozen_parameters, lazy_mode=True
+    )
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name, lazy in state.items():
+        nbytes = lazy.shape.numel() * 4
+        if groups[-1] and size + nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    names = (
+        [f"{stem}.{ext}"]
+        if len(groups) == 1
+        else [f"{stem}-{i + 1:05d}-of-{len(groups):05d}.{ext}" for i in range(len(groups))]
+    )
+    written, weight_map = [], {}
+    for file_name, group in zip(names, groups, strict=True):
+        # every name is built into its own memory (tied weights too, as safetensors wants)
+        tensors = {name: state[name].contiguous() for name in group}
+        weight_map.update(dict.fromkeys(group, file_name))
+        save(tensors, out / file_name)
+        written.append(out / file_name)
+    if len(groups) > 1:
+        index = out / f"{stem}.{ext}.index.json"
+        index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+        written.append(index)
+    return written
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument(
+        "checkpoint_dir", help="the directory save_checkpoint wrote (holds 'latest')"
+    )
+    parser.add_argument("output_dir", help="where to write the consolidated weights")
+    parser.add_argument("--tag", default=None, help="checkpoint tag (default: read 'latest')")
+    parser.add_argument("--max_shard_size", default="5GB")
+    parser.add_argument("--safe_serialization", action="store_true")
+    parser.add_argument("--exclude_frozen_parameters", action="store_true")
+    args = parser.parse_args(argv)
+    for path in convert_zero_checkpoint_to_fp32_state_dict(
+        args.checkpoint_dir,
+        args.output_dir,
+        args.max_shard_size,
+        args.safe_serialization,
+        args.tag,
+        args.exclude_frozen_parameters,
+    ):
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
