@@ -5,10 +5,11 @@ state (loss scaler, fp32 masters, torch optimizer state), the LR scheduler, the 
 the client state; ``save_dir/latest`` names the newest tag. Where the ZeRO strategy partitions the
 optimizer state (stages 1 and 2) every data-parallel rank also writes its own shard, named by the
 strategy (``zero_pp_rank_{r}_mp_rank_00_optim_states.pt``), and the model file holds no optimizer
-state. The shards carry their bucket layout, so a job with another data-parallel size, bucket
-size or stage (1 or 2) resumes from them: each rank rebuilds its own partition
-(:mod:`~shardspeed.runtime.zero.reshard`). Files are written to a temporary name and renamed, so
-an interrupted save never leaves a truncated checkpoint behind.
+state. Optimizer state carries its layout (parameter names and where each sits), so a job with
+another data-parallel size, bucket size or ZeRO stage (0, 1 or 2) resumes from it: each rank
+rebuilds its own partition (:mod:`~shardspeed.runtime.zero.reshard`). ``zero_to_fp32.py`` is
+copied beside the checkpoint to consolidate it without shardspeed. Files are written to a
+temporary name and renamed, so an interrupted save never leaves a truncated checkpoint behind.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shardspeed import comm
+from shardspeed.runtime.zero.reshard import shard_from_replicated
 from shardspeed.utils import zero_to_fp32
 from shardspeed.utils.logging import log_dist
 from shardspeed.version import __version__
@@ -29,7 +31,7 @@ if TYPE_CHECKING:
     from shardspeed.runtime.engine import DeepSpeedEngine
 
 LATEST_FILE = "latest"
-MODEL_STATES = "mp_rank_00_model_states.pt"
+MODEL_STATES = zero_to_fp32.MODEL_STATES
 _COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
 
 
@@ -91,22 +93,26 @@ def _optimizer_shard_name(engine: DeepSpeedEngine) -> str | None:
     return None if engine.optimizer is None else engine.optimizer.strategy.checkpoint_shard_name()
 
 
-def _sharded_optimizer_state(
+def _optimizer_state(
     engine: DeepSpeedEngine, folder: Path, state: dict[str, Any]
-) -> dict[str, Any]:
-    """This rank's optimizer state from the shards every rank of the saving job wrote, for
-    this run's data-parallel size and buckets (which may differ from the saving job's)."""
+) -> dict[str, Any] | None:
+    """This rank's optimizer state for this run's stage, data-parallel size and buckets, from
+    the replicated state in the model file (stage 0) or the shards every rank of the saving job
+    wrote (stages 1/2); either may have been saved under another stage or world size. None if
+    the saving engine had no optimizer."""
     assert engine.optimizer is not None
     strategy = engine.optimizer.strategy
-    if state.get("optimizer") is not None or not state.get("dp_world_size"):
-        raise ValueError(
-            f"the checkpoint in {folder} holds no ZeRO optimizer shards (saved with ZeRO stage "
-            f"{state.get('zero_stage')}), and this run partitions the optimizer (stage "
-            f"{strategy.stage}); resume with stage {state.get('zero_stage')}, or pass "
-            "load_optimizer_states=False to take the module weights only"
+    replicated = state.get("optimizer")
+    if replicated is not None:
+        if strategy.checkpoint_shard_name() is None:
+            return replicated
+        return strategy.sharded_state(
+            lambda _: shard_from_replicated(replicated, state["module"]), 1
         )
+    if not state.get("zero_stage"):  # stage 0 with nothing in "optimizer": none was saved
+        return None
     count = int(state["dp_world_size"])
-    paths = [folder / str(strategy.checkpoint_shard_name(rank)) for rank in range(count)]
+    paths = [folder / zero_to_fp32.OPTIM_SHARD.format(rank) for rank in range(count)]
     missing = [str(p) for p in paths if not p.is_file()]
     if missing:
         raise FileNotFoundError(
@@ -153,14 +159,12 @@ def load(
         )
     state = torch.load(path, map_location="cpu", weights_only=False)
     engine.load_module_state_dict(state, strict=load_module_strict, custom_load_fn=custom_load_fn)
-    shard = _optimizer_shard_name(engine)
-    if load_optimizer_states and shard is not None:
-        assert engine.optimizer is not None  # a shard name comes from the optimizer's strategy
-        engine.optimizer.load_state_dict(
-            _sharded_optimizer_state(engine, Path(load_dir) / tag, state)
-        )
-    elif load_optimizer_states and engine.optimizer is not None and state.get("optimizer"):
-        engine.optimizer.load_state_dict(state["optimizer"])
+    saved = None
+    if load_optimizer_states and engine.optimizer is not None:
+        saved = _optimizer_state(engine, Path(load_dir) / tag, state)
+    if saved is not None:
+        assert engine.optimizer is not None
+        engine.optimizer.load_state_dict(saved)
     elif engine.optimizer is not None:
         # no optimizer state loaded: master weights must follow the module weights just loaded
         engine.optimizer.strategy.load_state_dict({})

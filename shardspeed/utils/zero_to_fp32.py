@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
-SHARD = "zero_pp_rank_{}_mp_rank_00_optim_states.pt"
+OPTIM_SHARD = "zero_pp_rank_{}_mp_rank_00_optim_states.pt"
 _UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
 
 
@@ -72,7 +72,7 @@ def _load(path: Path) -> Any:
 
 def _stage12_masters(folder: Path, count: int) -> dict[str, tuple[Callable[[], torch.Tensor], int]]:
     """Builders of each trainable parameter's flat fp32 master from the ``count`` shards."""
-    paths = [folder / SHARD.format(rank) for rank in range(count)]
+    paths = [folder / OPTIM_SHARD.format(rank) for rank in range(count)]
     missing = [str(p) for p in paths if not p.is_file()]
     if missing:
         raise FileNotFoundError(

@@ -45,6 +45,7 @@ from shardspeed.runtime.zero.stage0 import (
 )
 from shardspeed.runtime.zero.strategy import ParamFragment, StrategyContext, ZeroStrategy
 from shardspeed.utils.logging import log_dist
+from shardspeed.utils.zero_to_fp32 import OPTIM_SHARD
 
 # torch optimizers DeepSpeed lists as ZeRO-supported; every optimizer in shardspeed.ops is too
 _TESTED_TORCH_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad)
@@ -300,7 +301,7 @@ class PartitionedStrategy(ZeroStrategy):
 
     def checkpoint_shard_name(self, dp_rank: int | None = None) -> str | None:
         rank = self.ctx.dp_rank if dp_rank is None else dp_rank
-        return f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+        return OPTIM_SHARD.format(rank)
 
     def bucket_layout(self) -> list[BucketLayout]:
         """Which parameter (by name) sits where in which bucket: saved with every shard, so the

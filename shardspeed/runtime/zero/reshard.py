@@ -1,4 +1,5 @@
-"""Re-partitioning ZeRO stage 1/2 checkpoints for another data-parallel size or bucket layout.
+"""Re-partitioning ZeRO optimizer checkpoints for another data-parallel size, bucket layout or
+stage (0, 1 or 2).
 
 Every rank of a stage 1/2 job saves its chunk of each bucket (fp32 masters, per-element optimizer
 state) together with the bucket layout: which parameter, by name, sits at which offset of which
@@ -8,6 +9,11 @@ directly: for every parameter piece of its new chunk, copy the matching range of
 bucket, which spans one or more old ranks' chunks. Shards are opened memory-mapped (see
 :func:`shardspeed.runtime.checkpointer.load`), so a rank reads the ranges it needs, not every
 shard whole.
+
+Stage 0 fits the same scheme as a one-rank job whose every parameter is a bucket of its own
+(:func:`replicated_layout`): its saved state becomes one shard (:func:`shard_from_replicated`),
+and a stage 0 run gathers stage 1/2 shards through the one-rank layout and reshapes the result
+(:func:`replicated_from_shard`).
 
 Per-element optimizer state is every 1-D tensor of a bucket's state with the chunk's length
 (Adam's ``exp_avg``/``exp_avg_sq``, Adagrad's sum, ...); anything else (``step``) is the same for
@@ -186,3 +192,88 @@ class Resharder:
         if out is None:  # a chunk of padding only: dtype of any saved chunk of this kind
             out = torch.zeros(chunk, dtype=read(0, 0).dtype)
         return out
+
+
+# -- stage 0: the optimizer state whole, one "bucket" per parameter ------------------------------
+def replicated_layout(
+    param_groups: list[dict[str, Any]], name_of: Callable[[torch.Tensor], str | None]
+) -> list[BucketLayout]:
+    """The layout of a replicated optimizer: each trainable tensor it steps is a bucket of its
+    own (``name_of`` names it; None for a frozen one, which is left out but keeps its index in
+    torch's state numbering)."""
+    layout, index = [], 0
+    for group_index, group in enumerate(param_groups):
+        for tensor in group["params"]:
+            name = name_of(tensor)
+            if name is not None:
+                numel = tensor.numel()
+                layout.append(
+                    {
+                        "group": group_index,
+                        "size": numel,
+                        "state_index": index,
+                        "params": [[name, 0, numel]],
+                    }
+                )
+            index += 1
+    return layout
+
+
+def shard_from_replicated(
+    saved: dict[str, Any], module_state: dict[str, torch.Tensor]
+) -> dict[str, Any]:
+    """A stage 0 checkpoint's optimizer-wrapper state as the one shard of a one-rank job: state
+    tensors flattened, masters from the saved fp32 copies or (fp32 training) the module."""
+    strategy = saved["strategy"]
+    layout = strategy.get("layout")
+    if layout is None:
+        raise ValueError("this stage 0 checkpoint carries no layout (saved by an older shardspeed)")
+    saved_masters = strategy.get("fp32_masters")  # absent in fp32 training: the module holds them
+    masters = {}
+    if saved_masters is not None:
+        masters = dict(zip(strategy["master_names"], saved_masters, strict=True))
+    chunks = []
+    for bucket in layout:
+        ((name, _, _),) = bucket["params"]
+        chunks.append(masters.get(name, module_state[name]).float().reshape(-1))
+    states = {
+        index: {
+            k: v.reshape(-1) if torch.is_tensor(v) and v.dim() > 0 else v for k, v in state.items()
+        }
+        for index, state in saved["optimizer"]["state"].items()
+    }
+    return {
+        "optimizer": {"state": states, "param_groups": saved["optimizer"]["param_groups"]},
+        "loss_scaler": saved["loss_scaler"],
+        "strategy": {**strategy, "dp_world_size": 1, "fp32_chunks": chunks},
+    }
+
+
+def replicated_from_shard(
+    state: dict[str, Any],
+    layout: list[BucketLayout],
+    shapes: dict[int, torch.Size],
+    param_indices: list[list[int]],
+) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """Turn :meth:`Resharder.state_for` output for a one-rank replicated ``layout`` into torch
+    optimizer state for the tensors of ``shapes`` (by state index) and groups holding
+    ``param_indices``; also returns the masters in layout order, shaped."""
+    optimizer = state["optimizer"]
+    per_index = {}
+    for index, values in optimizer["state"].items():
+        shape = shapes[index]
+        per_index[index] = {
+            k: v.view(shape)
+            if torch.is_tensor(v) and v.dim() == 1 and v.numel() == shape.numel()
+            else v
+            for k, v in values.items()
+        }
+    groups = [
+        {**group, "params": indices}
+        for group, indices in zip(optimizer["param_groups"], param_indices, strict=True)
+    ]
+    masters = [
+        chunk.view(shapes[bucket["state_index"]])
+        for bucket, chunk in zip(layout, state["strategy"]["fp32_chunks"], strict=True)
+    ]
+    return {"state": per_index, "param_groups": groups}, masters

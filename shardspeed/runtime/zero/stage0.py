@@ -8,6 +8,7 @@ accumulate locally, so communication is one all-reduce of the gradients per opti
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,6 +19,12 @@ from shardspeed.runtime.precision.loss_scaler import has_inf_or_nan
 from shardspeed.runtime.precision.master_weights import MasterWeights
 from shardspeed.runtime.precision.overflow import unscale_
 from shardspeed.runtime.zero.buckets import GradBucket, GradientBuckets
+from shardspeed.runtime.zero.reshard import (
+    BucketLayout,
+    Resharder,
+    replicated_from_shard,
+    replicated_layout,
+)
 from shardspeed.runtime.zero.strategy import ParamFragment, StrategyContext, ZeroStrategy
 
 
@@ -189,13 +196,43 @@ class ReplicatedStrategy(ZeroStrategy):
         )
 
     # -- state ----------------------------------------------------------------------------
+    def _master_names(self) -> list[str]:
+        names = {id(p): name for name, p in self.module.named_parameters()}
+        return [names[id(p)] for p in self.masters.model_params]
+
+    def bucket_layout(self) -> list[BucketLayout]:
+        """Each stepped tensor as a bucket of its own, named after its model parameter: what
+        re-partitioning to and from stages 1/2 works with (:mod:`.reshard`)."""
+        masters = self.masters.master_params
+        named = dict(zip((id(m) for m in masters), self._master_names(), strict=True))
+        return replicated_layout(self.optimizer.param_groups, lambda t: named.get(id(t)))
+
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
+        state["layout"] = self.bucket_layout()
+        state["master_names"] = self._master_names()
         if not self.masters.is_identity:
             state["fp32_masters"] = [m.detach().clone() for m in self.masters.master_params]
-            names = {id(p): name for name, p in self.module.named_parameters()}
-            state["master_names"] = [names[id(p)] for p in self.masters.model_params]
         return state
+
+    def sharded_state(
+        self, load_shard: Callable[[int], dict[str, Any]], count: int
+    ) -> dict[str, Any]:
+        """Gather a stage 1/2 checkpoint's shards into this replicated optimizer's state."""
+        layout = self.bucket_layout()
+        state = Resharder(load_shard, count).state_for(layout, 1, 0)
+        shapes, indices, index = {}, [], 0
+        for group in self.optimizer.param_groups:
+            indices.append(list(range(index, index + len(group["params"]))))
+            for tensor in group["params"]:
+                shapes[index] = tensor.shape
+                index += 1
+        optimizer, masters = replicated_from_shard(state, layout, shapes, indices)
+        by_name = {b["params"][0][0]: m for b, m in zip(layout, masters, strict=True)}
+        strategy: dict[str, Any] = {"stage": self.stage, "layout": layout}
+        if not self.masters.is_identity:
+            strategy["fp32_masters"] = [by_name[name] for name in self._master_names()]
+        return {"optimizer": optimizer, "loss_scaler": state["loss_scaler"], "strategy": strategy}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         masters = state.get("fp32_masters")
