@@ -114,9 +114,8 @@ def activation_mb(args: argparse.Namespace) -> float:
     return sum(saved.values()) / 2**20
 
 
-def _rank_main(
-    rank: int, world: int, port: int, mode: str, args: argparse.Namespace, queue: Any
-) -> None:
+def init_rank(rank: int, world: int, port: int) -> None:
+    """Join a ``world``-rank process group as ``rank`` (gloo on CPU, NCCL on GPU)."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -126,12 +125,34 @@ def _rank_main(
         # stdout carries only the one JSON line: keep the ranks' info logs off it
         SHARDSPEED_LOG_LEVEL="WARNING",
     )
-    torch.set_num_threads(args.threads)
-    cuda = torch.cuda.is_available()
-    if cuda:
+    if torch.cuda.is_available():
         torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+
+
+def spawn_ranks(target: Any, world: int, *args: Any) -> list[dict[str, Any]]:
+    """Run ``target(rank, *args, queue)`` in ``world`` fresh processes; each puts one dict on
+    the queue. Returns them by rank order of arrival, sorted by their ``rank`` key if any."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, *args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=1800) for _ in procs]
+    for p in procs:
+        p.join()
+        if p.exitcode != 0:
+            raise RuntimeError(f"{target.__name__}: a rank exited with {p.exitcode}")
+    return sorted(results, key=lambda r: r.get("rank", 0))
+
+
+def _rank_main(
+    rank: int, world: int, port: int, mode: str, args: argparse.Namespace, queue: Any
+) -> None:
+    torch.set_num_threads(args.threads)
+    init_rank(rank, world, port)
+    cuda = torch.cuda.is_available()
     device = torch.device(f"cuda:{rank}" if cuda else "cpu")
-    dist.init_process_group("nccl" if cuda else "gloo")
     model, cfg = _build(args)
     params = sum(p.numel() for p in model.parameters())
     batches = _batches(cfg, args.micro, args.warmup + args.steps, rank)
@@ -181,20 +202,7 @@ def _rank_main(
 
 
 def _run_mode(mode: str, args: argparse.Namespace, port: int) -> list[dict[str, Any]]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [
-        ctx.Process(target=_rank_main, args=(r, args.world, port, mode, args, queue))
-        for r in range(args.world)
-    ]
-    for p in procs:
-        p.start()
-    results = [queue.get(timeout=1800) for _ in procs]
-    for p in procs:
-        p.join()
-        if p.exitcode != 0:
-            raise RuntimeError(f"{mode}: a rank exited with {p.exitcode}")
-    return sorted(results, key=lambda r: r["rank"])
+    return spawn_ranks(_rank_main, args.world, args.world, port, mode, args)
 
 
 def main() -> None:

@@ -107,7 +107,7 @@ def _optimizer_state(
         if strategy.checkpoint_shard_name() is None:
             return replicated
         return strategy.sharded_state(
-            lambda _: shard_from_replicated(replicated, state["module"]), 1
+            lambda _: shard_from_replicated(replicated), 1, state["module"]
         )
     if not state.get("zero_stage"):  # stage 0 with nothing in "optimizer": none was saved
         return None
@@ -126,7 +126,7 @@ def _optimizer_state(
         saved = torch.load(paths[rank], map_location="cpu", weights_only=False, mmap=True)
         return saved["optimizer_state_dict"]
 
-    return strategy.sharded_state(read, count)
+    return strategy.sharded_state(read, count, state["module"])
 
 
 def resolve_tag(load_dir: str, tag: str | None) -> str | None:

@@ -70,7 +70,9 @@ def _load(path: Path) -> Any:
     return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
 
 
-def _stage12_masters(folder: Path, count: int) -> dict[str, tuple[Callable[[], torch.Tensor], int]]:
+def _stage12_masters(
+    folder: Path, count: int, module: dict[str, torch.Tensor]
+) -> dict[str, tuple[Callable[[], torch.Tensor], int]]:
     """Builders of each trainable parameter's flat fp32 master from the ``count`` shards."""
     paths = [folder / OPTIM_SHARD.format(rank) for rank in range(count)]
     missing = [str(p) for p in paths if not p.is_file()]
@@ -96,8 +98,15 @@ def _stage12_masters(folder: Path, count: int) -> dict[str, tuple[Callable[[], t
 
         return build
 
+    # a bucket without masters in the shards trained its fp32 weights in place: the module
+    # state holds them
     return {
-        name: (builder(index, offset, numel), numel)
+        name: (
+            partial(_flat_copy, module[name])
+            if chunks[0][index] is None
+            else builder(index, offset, numel),
+            numel,
+        )
         for index, bucket in enumerate(layout)
         for name, offset, numel in bucket["params"]
     }
@@ -112,12 +121,14 @@ def _shaped(build: Callable[[], torch.Tensor], shape: torch.Size) -> torch.Tenso
 
 
 def _stage0_masters(model: dict[str, Any]) -> dict[str, tuple[Callable[[], torch.Tensor], int]]:
-    strategy = (model.get("optimizer") or {}).get("strategy", {})
-    masters, names = strategy.get("fp32_masters"), strategy.get("master_names")
-    if masters is None:  # fp32 training: the module's weights are the masters
+    if model.get("optimizer") is None:  # saved without an optimizer: the weights as they are
         return {}
+    strategy = model["optimizer"]["strategy"]
+    masters, names = strategy.get("fp32_masters"), strategy.get("master_names")
     if names is None:
         raise ValueError("this stage 0 checkpoint names no masters (an older shardspeed)")
+    if masters is None:  # fp32 training: the module's weights are the masters
+        masters = [model["module"][name] for name in names]
     return {
         name: (partial(_flat_copy, master), master.numel())
         for name, master in zip(names, masters, strict=True)
@@ -136,7 +147,7 @@ def get_fp32_state_dict_from_zero_checkpoint(
     model = _load(folder / MODEL_STATES)
     stage = model.get("zero_stage", 0)
     if stage in (1, 2):
-        masters = _stage12_masters(folder, int(model["dp_world_size"]))
+        masters = _stage12_masters(folder, int(model["dp_world_size"]), model["module"])
     elif stage == 0:
         masters = _stage0_masters(model)
     else:

@@ -323,12 +323,15 @@ class PartitionedStrategy(ZeroStrategy):
         ]
 
     def sharded_state(
-        self, load_shard: Callable[[int], dict[str, Any]], count: int
+        self,
+        load_shard: Callable[[int], dict[str, Any]],
+        count: int,
+        module_state: dict[str, torch.Tensor],
     ) -> dict[str, Any]:
         # always rebuilt from the shards, also when nothing changed: one path, and the
         # rebuilt tensors own their memory (the shards may be memory-mapped files)
         layout, world = self.bucket_layout(), self.ctx.dp_world_size
-        resharder = Resharder(load_shard, count)
+        resharder = Resharder(load_shard, count, module_state)
         if not layouts_match(resharder.shards[0]["strategy"], layout, world):
             log_dist(
                 f"re-partitioning ZeRO optimizer shards saved by {count} ranks for {world} "
@@ -342,8 +345,12 @@ class PartitionedStrategy(ZeroStrategy):
         state["dp_world_size"] = self.ctx.dp_world_size
         state["chunk_numel"] = list(self.partition.chunk_numel)
         state["layout"] = self.bucket_layout()
-        # copies: a chunk of the flat parameters would otherwise save the whole flat buffer
-        state["fp32_chunks"] = [m.detach().clone() for m in self.master_chunks]
+        # None where the optimizer steps the parameters themselves (the module weights saved
+        # beside are the masters); else copies: a chunk of a flat buffer would save it whole
+        state["fp32_chunks"] = [
+            None if self._aliased(b) else m.detach().clone()
+            for b, m in enumerate(self.master_chunks)
+        ]
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -23,7 +23,7 @@ elements of a new chunk start at zero.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,10 +49,18 @@ def layouts_match(saved: dict[str, Any], layout: list[BucketLayout], world: int)
 
 class Resharder:
     """Builds this rank's optimizer-wrapper state for ``layout`` from shards saved by ``count``
-    ranks; ``load_shard(r)`` returns rank ``r``'s saved optimizer-wrapper state."""
+    ranks; ``load_shard(r)`` returns rank ``r``'s saved optimizer-wrapper state, and
+    ``module_state`` is the checkpoint's module state_dict."""
 
-    def __init__(self, load_shard: Callable[[int], dict[str, Any]], count: int) -> None:
+    def __init__(
+        self,
+        load_shard: Callable[[int], dict[str, Any]],
+        count: int,
+        module_state: dict[str, torch.Tensor],
+    ) -> None:
         self.shards = [load_shard(r) for r in range(count)]
+        #: the saved module weights, for masters a shard leaves out (fp32: the weights are them)
+        self.module_state = module_state
         old_layout = self.shards[0]["strategy"].get("layout")
         if old_layout is None:
             raise ValueError(
@@ -82,13 +90,14 @@ class Resharder:
         masters, states = [], {}
         for bucket in layout:
             chunk = bucket["size"] // world
-            masters.append(self._chunk(bucket, chunk, rank, self._master_of))
-            keys = self._element_keys(bucket["group"])
-            if keys is None:  # the optimizer had not stepped: no state to carry
+            masters.append(self._chunk(bucket, chunk, rank, self._master_pieces, torch.float32))
+            first = self._first_state(bucket["group"])
+            if first is None:  # the optimizer had not stepped: no state to carry
                 continue
             state = dict(self._scalars(bucket["group"]))
-            for key in keys:
-                state[key] = self._chunk(bucket, chunk, rank, self._state_of(key))
+            for key in self._element_keys(bucket["group"]) or ():
+                pieces = self._state_pieces(key)
+                state[key] = self._chunk(bucket, chunk, rank, pieces, first[key].dtype)
             states[bucket["state_index"]] = state
         groups = [
             {
@@ -122,15 +131,36 @@ class Resharder:
                 "load with load_optimizer_states=False to take the module weights only"
             )
 
-    def _master_of(self, rank: int, bucket: int) -> torch.Tensor:
-        return self.shards[rank]["strategy"]["fp32_chunks"][bucket]
+    def _pieces(
+        self, name: str, start: int, stop: int, read: Callable[[int, int], torch.Tensor]
+    ) -> Iterator[torch.Tensor]:
+        """Elements ``[start, stop)`` of parameter ``name``, in pieces, from the old chunks
+        ``read(rank, bucket)`` (the range may span several ranks' chunks)."""
+        source = self.sources[name]
+        size = self.old_layout[source.bucket]["size"] // self.old_world
+        first, last = source.offset + start, source.offset + stop  # in the old flat bucket
+        while first < last:
+            owner = first // size
+            end = min(last, (owner + 1) * size)
+            yield read(owner, source.bucket)[first - owner * size : end - owner * size]
+            first = end
 
-    def _state_of(self, key: str) -> Callable[[int, int], torch.Tensor]:
+    def _master_pieces(self, name: str, start: int, stop: int) -> Iterator[torch.Tensor]:
+        bucket = self.sources[name].bucket
+        if self.shards[0]["strategy"]["fp32_chunks"][bucket] is None:
+            # the saving run stepped its fp32 parameters themselves: the module weights
+            yield self.module_state[name].reshape(-1)[start:stop]
+        else:
+            yield from self._pieces(
+                name, start, stop, lambda r, b: self.shards[r]["strategy"]["fp32_chunks"][b]
+            )
+
+    def _state_pieces(self, key: str) -> Callable[[str, int, int], Iterator[torch.Tensor]]:
         def read(rank: int, bucket: int) -> torch.Tensor:
             index = self.old_layout[bucket]["state_index"]
             return self.shards[rank]["optimizer"]["state"][index][key]
 
-        return read
+        return lambda name, start, stop: self._pieces(name, start, stop, read)
 
     def _first_state(self, group: int) -> dict[str, Any] | None:
         """The saved state of ``group``'s first bucket on rank 0 (None if it never stepped)."""
@@ -158,39 +188,24 @@ class Resharder:
             k: v.clone() if torch.is_tensor(v) else v for k, v in state.items() if k not in keys
         }
 
+    @staticmethod
     def _chunk(
-        self,
         bucket: BucketLayout,
         chunk: int,
         rank: int,
-        read: Callable[[int, int], torch.Tensor],
+        pieces: Callable[[str, int, int], Iterator[torch.Tensor]],
+        dtype: torch.dtype,
     ) -> torch.Tensor:
-        """This rank's new chunk of ``bucket``, filled from the old shards via ``read``."""
+        """This rank's new chunk of ``bucket``: each parameter's overlap with it, filled from
+        ``pieces(name, start, stop)``; padding stays zero."""
         lo, hi = chunk * rank, chunk * (rank + 1)
-        out: torch.Tensor | None = None
+        out = torch.zeros(chunk, dtype=dtype)
         for name, offset, numel in bucket["params"]:
             start, stop = max(offset, lo), min(offset + numel, hi)
-            if start >= stop:
-                continue
-            source = self.sources[name]
-            old_chunk = self.old_layout[source.bucket]["size"] // self.old_world
-            # elements [start-offset, stop-offset) of the parameter, in the old flat bucket
-            first = source.offset + start - offset
-            last = source.offset + stop - offset
             position = start - lo
-            while first < last:
-                owner = first // old_chunk
-                end = min(last, (owner + 1) * old_chunk)
-                piece = read(owner, source.bucket)[
-                    first - owner * old_chunk : end - owner * old_chunk
-                ]
-                if out is None:
-                    out = torch.zeros(chunk, dtype=piece.dtype)
-                out[position : position + end - first] = piece
-                position += end - first
-                first = end
-        if out is None:  # a chunk of padding only: dtype of any saved chunk of this kind
-            out = torch.zeros(chunk, dtype=read(0, 0).dtype)
+            for piece in pieces(name, start - offset, stop - offset) if start < stop else ():
+                out[position : position + piece.numel()] = piece
+                position += piece.numel()
         return out
 
 
@@ -219,23 +234,22 @@ def replicated_layout(
     return layout
 
 
-def shard_from_replicated(
-    saved: dict[str, Any], module_state: dict[str, torch.Tensor]
-) -> dict[str, Any]:
+def shard_from_replicated(saved: dict[str, Any]) -> dict[str, Any]:
     """A stage 0 checkpoint's optimizer-wrapper state as the one shard of a one-rank job: state
-    tensors flattened, masters from the saved fp32 copies or (fp32 training) the module."""
+    tensors flattened, masters the saved fp32 copies (None in fp32 training: the module weights
+    are the masters, as in a stage 1/2 shard)."""
     strategy = saved["strategy"]
     layout = strategy.get("layout")
     if layout is None:
         raise ValueError("this stage 0 checkpoint carries no layout (saved by an older shardspeed)")
-    saved_masters = strategy.get("fp32_masters")  # absent in fp32 training: the module holds them
+    saved_masters = strategy.get("fp32_masters")
     masters = {}
     if saved_masters is not None:
         masters = dict(zip(strategy["master_names"], saved_masters, strict=True))
-    chunks = []
-    for bucket in layout:
-        ((name, _, _),) = bucket["params"]
-        chunks.append(masters.get(name, module_state[name]).float().reshape(-1))
+    chunks = [
+        masters[name].float().reshape(-1) if name in masters else None
+        for ((name, _, _),) in (bucket["params"] for bucket in layout)
+    ]
     states = {
         index: {
             k: v.reshape(-1) if torch.is_tensor(v) and v.dim() > 0 else v for k, v in state.items()

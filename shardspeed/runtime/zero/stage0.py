@@ -216,11 +216,14 @@ class ReplicatedStrategy(ZeroStrategy):
         return state
 
     def sharded_state(
-        self, load_shard: Callable[[int], dict[str, Any]], count: int
+        self,
+        load_shard: Callable[[int], dict[str, Any]],
+        count: int,
+        module_state: dict[str, torch.Tensor],
     ) -> dict[str, Any]:
         """Gather a stage 1/2 checkpoint's shards into this replicated optimizer's state."""
         layout = self.bucket_layout()
-        state = Resharder(load_shard, count).state_for(layout, 1, 0)
+        state = Resharder(load_shard, count, module_state).state_for(layout, 1, 0)
         shapes, indices, index = {}, [], 0
         for group in self.optimizer.param_groups:
             indices.append(list(range(index, index + len(group["params"]))))

@@ -155,11 +155,14 @@ class ZeroStrategy(ABC):
         return None
 
     def sharded_state(
-        self, load_shard: Callable[[int], dict[str, Any]], count: int
+        self,
+        load_shard: Callable[[int], dict[str, Any]],
+        count: int,
+        module_state: dict[str, torch.Tensor],
     ) -> dict[str, Any]:
         """This rank's optimizer-wrapper state from a checkpoint whose ``count`` ranks each
-        saved a shard (``load_shard(r)`` reads rank ``r``'s); only for strategies that name
-        shards (:meth:`checkpoint_shard_name`)."""
+        saved a shard (``load_shard(r)`` reads rank ``r``'s) beside the module state
+        ``module_state``, whatever stage, world size and buckets saved it."""
         raise NotImplementedError(f"ZeRO stage {self.stage} keeps no optimizer shards")
 
     def master_params(self) -> list[torch.Tensor]:

@@ -178,7 +178,7 @@ def test_resharder_index_arithmetic():
         }
     ]
     shards = [_wrapper_state(old, 3, r, full) for r in range(3)]
-    resharder = Resharder(lambda r: copy.deepcopy(shards[r]), 3)
+    resharder = Resharder(lambda r: copy.deepcopy(shards[r]), 3, module_state={})
     got = [resharder.state_for(new, 2, r) for r in range(2)]
     expected = _wrapper_state(new, 2, 0, full), _wrapper_state(new, 2, 1, full)
     for mine, want in zip(got, expected, strict=True):

@@ -69,8 +69,8 @@ def _check(state: dict[str, Any], ref: dict[str, Any], frozen_included: bool) ->
 
 @pytest.mark.parametrize(
     "stage,dtype,freeze",
-    [(2, "bf16", False), (1, "fp32", True), (0, "bf16", True)],
-    ids=["stage2-bf16", "stage1-fp32-frozen", "stage0-bf16-frozen"],
+    [(2, "bf16", False), (1, "fp32", True), (0, "bf16", True), (0, "fp32", True)],
+    ids=["stage2-bf16", "stage1-fp32-frozen", "stage0-bf16-frozen", "stage0-fp32-frozen"],
 )
 @pytest.mark.timeout(240)
 def test_consolidated_state_is_the_fp32_masters(dist_pool, tmp_path, stage, dtype, freeze):
