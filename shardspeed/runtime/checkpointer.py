@@ -14,6 +14,8 @@ temporary name and renamed, so an interrupted save never leaves a truncated chec
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -22,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shardspeed import comm
+from shardspeed.checkpoint import UNIVERSAL_CHECKPOINT_INFO
+from shardspeed.checkpoint.ds_to_universal import LATEST_UNIVERSAL, universal_shard
 from shardspeed.runtime.zero.reshard import shard_from_replicated
 from shardspeed.utils import zero_to_fp32
 from shardspeed.utils.logging import log_dist
@@ -52,6 +56,7 @@ def save(
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     if "/" in tag or tag in ("", ".", ".."):
         raise ValueError(f"checkpoint tag {tag!r} must be a plain directory name")
+    _validate_tag(engine, tag)
     folder = Path(save_dir) / tag
     shard = _optimizer_shard_name(engine)
     optimizer_state = engine.optimizer.state_dict() if engine.optimizer is not None else None
@@ -88,6 +93,28 @@ def save(
     return True
 
 
+def _validate_tag(engine: DeepSpeedEngine, tag: str) -> None:
+    """``checkpoint.tag_validation``: every rank must save under the same tag (a rank-specific
+    tag splits the checkpoint into folders no job can load). Warn or fail, as configured."""
+    config = engine.config.checkpoint
+    if not config.tag_validation_enabled or comm.get_world_size() == 1:
+        return
+    digest = hashlib.sha1(tag.encode()).digest()
+    local = torch.tensor(list(digest), dtype=torch.float32, device=engine.device)
+    low, high = local.clone(), local.clone()
+    comm.all_reduce(low, op=comm.ReduceOp.MIN)
+    comm.all_reduce(high, op=comm.ReduceOp.MAX)
+    if torch.equal(low, high):
+        return
+    message = (
+        f"[rank {comm.get_rank()}] the checkpoint tag {tag!r} differs between ranks; every rank "
+        "must pass the same tag to save_checkpoint (leave rank-specific parts out of it)"
+    )
+    if config.tag_validation_fail:
+        raise ValueError(message)
+    log_dist(message, ranks=[-1], level=logging.WARNING)
+
+
 def _optimizer_shard_name(engine: DeepSpeedEngine) -> str | None:
     """This rank's optimizer shard file name, or None when the optimizer state is replicated."""
     return None if engine.optimizer is None else engine.optimizer.strategy.checkpoint_shard_name()
@@ -102,6 +129,10 @@ def _optimizer_state(
     the saving engine had no optimizer."""
     assert engine.optimizer is not None
     strategy = engine.optimizer.strategy
+    universal = state.get(UNIVERSAL_CHECKPOINT_INFO)
+    if universal is not None:
+        shard = universal_shard(folder, universal)
+        return strategy.sharded_state(lambda _: shard, 1, state["module"])
     replicated = state.get("optimizer")
     if replicated is not None:
         if strategy.checkpoint_shard_name() is None:
@@ -129,10 +160,20 @@ def _optimizer_state(
     return strategy.sharded_state(read, count, state["module"])
 
 
-def resolve_tag(load_dir: str, tag: str | None) -> str | None:
-    """The tag to load: the one given, else the one named in ``latest`` (None if absent)."""
+def resolve_tag(load_dir: str, tag: str | None, universal: bool = False) -> str | None:
+    """The tag to load: the one given, else the one named in ``latest`` (None if absent), or
+    with ``universal`` (``checkpoint.load_universal``) in ``latest_universal`` (which must
+    exist, as DeepSpeed requires)."""
     if tag is not None:
         return str(tag)
+    if universal:
+        latest = Path(load_dir) / LATEST_UNIVERSAL
+        if not latest.is_file():
+            raise ValueError(
+                f"checkpoint.load_universal is set but {latest} does not exist: convert the "
+                "checkpoint with python -m shardspeed.checkpoint.ds_to_universal, or pass tag="
+            )
+        return latest.read_text().strip()
     latest = Path(load_dir) / LATEST_FILE
     return latest.read_text().strip() if latest.is_file() else None
 
@@ -147,7 +188,7 @@ def load(
     load_lr_scheduler_states: bool,
     custom_load_fn: Any,
 ) -> tuple[str | None, dict[str, Any] | None]:
-    tag = resolve_tag(load_dir, tag)
+    tag = resolve_tag(load_dir, tag, engine.config.checkpoint.load_universal)
     if tag is None:
         log_dist(f"no 'latest' file in {load_dir} and no tag given: nothing loaded", ranks=[0])
         return None, None

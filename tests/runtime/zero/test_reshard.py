@@ -1,4 +1,5 @@
-"""ZeRO 1/2 checkpoints resume on another data-parallel size, bucket size or stage.
+"""Checkpoints resume on another data-parallel size, bucket size or ZeRO stage (0-2), directly
+or through the universal form; tags are validated across ranks.
 
 A job saves mid-training, records its full optimizer state and goes on; a job of another shape
 loads the save and must hold the same full state (bit for bit: resharding only moves numbers)
@@ -9,6 +10,7 @@ same: micro 2 x gas x world = 8 rows, so only float summation order differs).
 from __future__ import annotations
 
 import copy
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +18,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from shardspeed.checkpoint.ds_to_universal import convert
 from shardspeed.runtime.zero.reshard import Resharder
-from shardspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+from shardspeed.utils import logger, safe_get_full_fp32_param, safe_get_full_optimizer_state
 from tests.runtime.parity import assert_close, make_task, rank_rows
 from tests.runtime.zero.ranks import _engine, _precision
 
@@ -53,13 +56,16 @@ def _train(engine: Any, task: Any, steps: range, gas: int) -> list[float]:
     return losses
 
 
-def _build(stage: int, bucket: int, seed: int, dtype: str = "fp32") -> tuple[Any, Any, int]:
+def _build(
+    stage: int, bucket: int, seed: int, dtype: str = "fp32", **extra: Any
+) -> tuple[Any, Any, int]:
     gas = GLOBAL_ROWS // (2 * dist.get_world_size())
     torch.manual_seed(0)
     task = make_task("gpt", rows=6 * GLOBAL_ROWS)
     torch.manual_seed(seed)  # the loading job's own initial weights must not matter
     zero = {"reduce_bucket_size": bucket}
-    return _engine(task.build(), stage, gas=gas, zero=zero, **_precision(dtype)), task, gas
+    config = {**_precision(dtype), **extra}
+    return _engine(task.build(), stage, gas=gas, zero=zero, **config), task, gas
 
 
 def save_and_continue(folder: str, stage: int, bucket: int, dtype: str = "fp32") -> None:
@@ -75,9 +81,13 @@ def save_and_continue(folder: str, stage: int, bucket: int, dtype: str = "fp32")
     engine.destroy()
 
 
-def load_and_continue(folder: str, stage: int, bucket: int, dtype: str = "fp32") -> None:
-    engine, task, gas = _build(stage, bucket, seed=123, dtype=dtype)
-    path, _ = engine.load_checkpoint(folder, tag="mid")
+def load_and_continue(
+    folder: str, stage: int, bucket: int, dtype: str = "fp32", universal: bool = False
+) -> None:
+    extra = {"checkpoint": {"load_universal": True}} if universal else {}
+    engine, task, gas = _build(stage, bucket, seed=123, dtype=dtype, **extra)
+    # universal: the tag comes from latest_universal
+    path, _ = engine.load_checkpoint(folder, tag=None if universal else "mid")
     assert path is not None and engine.global_steps == 3
     ref = torch.load(Path(folder) / "ref.pt", weights_only=False)
     loaded = _full_state(engine)
@@ -130,6 +140,59 @@ def refusals(folder: str) -> None:
         stage1.load_checkpoint(str(base / "s1"), tag="t")
     stage1.load_checkpoint(str(base / "s1"), tag="t", load_optimizer_states=False)
     stage1.destroy()
+
+
+@pytest.mark.timeout(240)
+def test_universal_checkpoint_round_trip(dist_pool, tmp_path):
+    """ds_to_universal writes each parameter whole; load_universal resumes from it elsewhere."""
+    dist_pool(2).run(save_and_continue, str(tmp_path), 2, 3000)
+    out = convert(tmp_path / "mid", tmp_path / "mid_universal")
+    assert (tmp_path / "latest_universal").read_text() == "mid_universal"
+    ref = torch.load(tmp_path / "ref.pt", weights_only=False)["state"]
+    for name in ("wte.weight", "blocks.0.attn.qkv.bias"):
+        fp32 = torch.load(out / "zero" / name / "fp32.pt")["param"]
+        exp_avg = torch.load(out / "zero" / name / "exp_avg.pt")["param"]
+        assert torch.equal(fp32, ref[name]) and torch.equal(exp_avg, ref[f"{name}:exp_avg"])
+    assert float(torch.load(out / "zero" / "wte.weight" / "step.pt")["param"]) == 3
+    dist_pool(4).run(load_and_continue, str(tmp_path), 1, 5000, "fp32", True)
+    dist_pool(2).run(load_and_continue, str(tmp_path), 0, 3000, "fp32", True)
+
+
+class _Collect(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def tag_checks(folder: str) -> None:
+    rank = dist.get_rank()
+    warnings = _Collect()
+    logger.addHandler(warnings)
+    for mode in ("Warn", "Fail", "Ignore"):
+        warnings.messages.clear()
+        engine, _, _ = _build(1, 3000, seed=0, checkpoint={"tag_validation": mode})
+        if mode == "Fail":
+            with pytest.raises(ValueError, match="differs between ranks"):
+                engine.save_checkpoint(folder, tag=f"fail{rank}")
+        else:
+            engine.save_checkpoint(folder, tag=f"{mode}{rank}")
+            warned = any("differs between ranks" in m for m in warnings.messages)
+            assert warned == (mode == "Warn"), (mode, warnings.messages)
+        engine.save_checkpoint(folder, tag=f"same-{mode}")  # the same tag passes every mode
+        engine.destroy()
+    engine, _, _ = _build(1, 3000, seed=0, checkpoint={"load_universal": True})
+    with pytest.raises(ValueError, match="latest_universal"):
+        engine.load_checkpoint(folder)
+    engine.destroy()
+    logger.removeHandler(warnings)
+
+
+def test_tag_validation_and_missing_latest_universal(dist_pool, tmp_path):
+    dist_pool(2).run(tag_checks, str(tmp_path))
+    assert not (tmp_path / "fail0").exists() and (tmp_path / "same-Fail").is_dir()
 
 
 def test_refusals(dist_pool, tmp_path):
