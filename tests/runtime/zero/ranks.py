@@ -41,11 +41,19 @@ def _precision(dtype: str) -> dict[str, Any]:
 
 
 def _engine(
-    model: nn.Module, stage: int, micro: int = 2, gas: int = 1, clip: float = 1.0, **extra: Any
+    model: nn.Module,
+    stage: int,
+    micro: int = 2,
+    gas: int = 1,
+    clip: float = 1.0,
+    model_parameters: Any = None,
+    **extra: Any,
 ) -> Any:
     zero = {"stage": stage, **extra.pop("zero", {})}
     config = adamw_config(micro, gas, clip, zero_optimization=zero, **extra)
-    engine, *_ = shardspeed.initialize(model=model, config=config)
+    engine, *_ = shardspeed.initialize(
+        model=model, model_parameters=model_parameters, config=config
+    )
     return engine
 
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from shardspeed.checkpoint.ds_to_universal import convert
 from shardspeed.runtime.zero.reshard import Resharder
 from shardspeed.utils import logger, safe_get_full_fp32_param, safe_get_full_optimizer_state
-from tests.runtime.parity import assert_close, make_task, rank_rows
+from tests.runtime.parity import assert_close, make_task, param_setup, rank_rows
 from tests.runtime.zero.ranks import _engine, _precision
 
 GLOBAL_ROWS = 8
@@ -57,19 +57,25 @@ def _train(engine: Any, task: Any, steps: range, gas: int) -> list[float]:
 
 
 def _build(
-    stage: int, bucket: int, seed: int, dtype: str = "fp32", **extra: Any
+    stage: int, bucket: int, seed: int, dtype: str = "fp32", groups: bool = False, **extra: Any
 ) -> tuple[Any, Any, int]:
+    """An engine on a tiny GPT; ``groups``: two parameter groups and a frozen embedding."""
     gas = GLOBAL_ROWS // (2 * dist.get_world_size())
     torch.manual_seed(0)
     task = make_task("gpt", rows=6 * GLOBAL_ROWS)
     torch.manual_seed(seed)  # the loading job's own initial weights must not matter
     zero = {"reduce_bucket_size": bucket}
     config = {**_precision(dtype), **extra}
-    return _engine(task.build(), stage, gas=gas, zero=zero, **config), task, gas
+    model = task.build()
+    params = param_setup(model, groups=True, freeze=True) if groups else None
+    engine = _engine(model, stage, gas=gas, zero=zero, model_parameters=params, **config)
+    return engine, task, gas
 
 
-def save_and_continue(folder: str, stage: int, bucket: int, dtype: str = "fp32") -> None:
-    engine, task, gas = _build(stage, bucket, seed=0, dtype=dtype)
+def save_and_continue(
+    folder: str, stage: int, bucket: int, dtype: str = "fp32", groups: bool = False
+) -> None:
+    engine, task, gas = _build(stage, bucket, seed=0, dtype=dtype, groups=groups)
     _train(engine, task, range(3), gas)
     engine.save_checkpoint(folder, tag="mid")
     saved = _full_state(engine)
@@ -82,10 +88,15 @@ def save_and_continue(folder: str, stage: int, bucket: int, dtype: str = "fp32")
 
 
 def load_and_continue(
-    folder: str, stage: int, bucket: int, dtype: str = "fp32", universal: bool = False
+    folder: str,
+    stage: int,
+    bucket: int,
+    dtype: str = "fp32",
+    groups: bool = False,
+    universal: bool = False,
 ) -> None:
     extra = {"checkpoint": {"load_universal": True}} if universal else {}
-    engine, task, gas = _build(stage, bucket, seed=123, dtype=dtype, **extra)
+    engine, task, gas = _build(stage, bucket, seed=123, dtype=dtype, groups=groups, **extra)
     # universal: the tag comes from latest_universal
     path, _ = engine.load_checkpoint(folder, tag=None if universal else "mid")
     assert path is not None and engine.global_steps == 3
@@ -117,15 +128,19 @@ RESHAPES = {
     # separate fp32 masters: bf16 stage 0 <-> stage 2 (state only, see load_and_continue)
     "bf16-w2-s0-to-w2-s2": ((2, 0, 3000), (2, 2, 5000), "bf16"),
     "bf16-w2-s2-to-w2-s0": ((2, 2, 5000), (2, 0, 3000), "bf16"),
+    # two parameter groups (own lr and weight decay) and a frozen, tied embedding
+    "groups-w2-s2-to-w4-s1": ((2, 2, 3000), (4, 1, 6000), "fp32-groups"),
+    "groups-w4-s1-to-w2-s0": ((4, 1, 3000), (2, 0, 3000), "fp32-groups"),
 }
 
 
 @pytest.mark.parametrize("case", list(RESHAPES))
 @pytest.mark.timeout(240)
 def test_resume_in_another_shape(dist_pool, tmp_path, case):
-    (world_a, *saved), (world_b, *loaded), dtype = RESHAPES[case]
-    dist_pool(world_a).run(save_and_continue, str(tmp_path), *saved, dtype)
-    dist_pool(world_b).run(load_and_continue, str(tmp_path), *loaded, dtype)
+    (world_a, *saved), (world_b, *loaded), kind = RESHAPES[case]
+    dtype, groups = kind.removesuffix("-groups"), kind.endswith("-groups")
+    dist_pool(world_a).run(save_and_continue, str(tmp_path), *saved, dtype, groups)
+    dist_pool(world_b).run(load_and_continue, str(tmp_path), *loaded, dtype, groups)
 
 
 def refusals(folder: str) -> None:
@@ -154,8 +169,8 @@ def test_universal_checkpoint_round_trip(dist_pool, tmp_path):
         exp_avg = torch.load(out / "zero" / name / "exp_avg.pt")["param"]
         assert torch.equal(fp32, ref[name]) and torch.equal(exp_avg, ref[f"{name}:exp_avg"])
     assert float(torch.load(out / "zero" / "wte.weight" / "step.pt")["param"]) == 3
-    dist_pool(4).run(load_and_continue, str(tmp_path), 1, 5000, "fp32", True)
-    dist_pool(2).run(load_and_continue, str(tmp_path), 0, 3000, "fp32", True)
+    dist_pool(4).run(load_and_continue, str(tmp_path), 1, 5000, "fp32", False, True)
+    dist_pool(2).run(load_and_continue, str(tmp_path), 0, 3000, "fp32", False, True)
 
 
 class _Collect(logging.Handler):
