@@ -25,14 +25,10 @@ import torch
 
 from shardspeed.checkpoint import UNIVERSAL_CHECKPOINT_INFO
 from shardspeed.runtime.zero.reshard import BucketLayout, Resharder, shard_from_replicated
-from shardspeed.utils.zero_to_fp32 import MODEL_STATES, OPTIM_SHARD
+from shardspeed.utils.zero_to_fp32 import MODEL_STATES, OPTIM_SHARD, load_file
 
 LATEST_UNIVERSAL = "latest_universal"
 _FP32 = "fp32"
-
-
-def _load(path: Path) -> Any:
-    return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
 
 
 def _source(folder: Path, model: dict[str, Any]) -> tuple[Any, int, list[BucketLayout]]:
@@ -44,14 +40,14 @@ def _source(folder: Path, model: dict[str, Any]) -> tuple[Any, int, list[BucketL
     paths = [folder / OPTIM_SHARD.format(rank) for rank in range(count)]
     if not all(p.is_file() for p in paths):
         raise FileNotFoundError(f"{folder} lacks optimizer shards: {[str(p) for p in paths]}")
-    layout = _load(paths[0])["optimizer_state_dict"]["strategy"]["layout"]
-    return (lambda rank: _load(paths[rank])["optimizer_state_dict"]), count, layout
+    layout = load_file(paths[0])["optimizer_state_dict"]["strategy"]["layout"]
+    return (lambda rank: load_file(paths[rank])["optimizer_state_dict"]), count, layout
 
 
 def convert(input_folder: str | Path, output_folder: str | Path) -> Path:
     """Write the universal form of the checkpoint tag folder ``input_folder``."""
     source, out = Path(input_folder), Path(output_folder)
-    model = _load(source / MODEL_STATES)
+    model = load_file(source / MODEL_STATES)
     if model.get("optimizer") is None and not model.get("zero_stage"):
         raise ValueError(f"{source} holds no optimizer state to convert")
     read, count, saved_layout = _source(source, model)
@@ -94,7 +90,7 @@ def universal_shard(folder: Path, info: dict[str, Any]) -> dict[str, Any]:
         files = sorted((folder / "zero" / name).glob("*.pt"))
         if not files:
             raise FileNotFoundError(f"{folder / 'zero' / name} holds no parameter files")
-        values = {f.stem: _load(f)["param"] for f in files}
+        values = {f.stem: load_file(f)["param"] for f in files}
         master = values.pop(_FP32).reshape(-1)
         layout.append(
             {

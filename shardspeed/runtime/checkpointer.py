@@ -32,6 +32,7 @@ from shardspeed.utils.logging import log_dist
 from shardspeed.version import __version__
 
 if TYPE_CHECKING:
+    from shardspeed.config import DeepSpeedConfig
     from shardspeed.runtime.engine import DeepSpeedEngine
 
 LATEST_FILE = "latest"
@@ -39,10 +40,31 @@ MODEL_STATES = zero_to_fp32.MODEL_STATES
 _COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
 
 
-def _atomic_save(obj: Any, path: Path) -> None:
+def _atomic_save(obj: Any, path: Path, zip_format: bool = True) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
+    torch.save(obj, tmp, _use_new_zipfile_serialization=zip_format)
     os.replace(tmp, path)
+
+
+def check_config(config: DeepSpeedConfig) -> None:
+    """Refuse, at initialize, checkpoint settings whose behaviour shardspeed does not have."""
+    if config.nebula.enabled:
+        raise NotImplementedError(
+            "nebula.enabled=true (the Azure Nebula checkpoint service) is not yet supported in "
+            "shardspeed; remove the nebula section to save with save_checkpoint's own files"
+        )
+    writer = config.checkpoint.writer
+    if writer is not None and writer.type == "MOCK":
+        raise NotImplementedError(
+            'checkpoint.writer.type="MOCK" (write nothing) is not yet supported in shardspeed; '
+            "use PYTHON or FAST, or leave the writer out"
+        )
+    if writer is not None:
+        log_dist(
+            f"checkpoint.writer {writer.type}: shardspeed writes every file with torch.save "
+            "(each rank its own shard, in parallel); the writer's buffer settings do not apply",
+            ranks=[0],
+        )
 
 
 def save(
@@ -57,7 +79,40 @@ def save(
     if "/" in tag or tag in ("", ".", ".."):
         raise ValueError(f"checkpoint tag {tag!r} must be a plain directory name")
     _validate_tag(engine, tag)
+    config = engine.config.checkpoint
+    # use_node_local_storage: each node's first rank writes the shared files to its own disk
+    writes_shared = (
+        comm.get_local_rank() == 0 if config.use_node_local_storage else engine.global_rank == 0
+    )
     folder = Path(save_dir) / tag
+    failure = None
+    try:
+        _write_files(engine, folder, client_state, exclude_frozen_parameters, writes_shared)
+    except Exception as error:  # a rank that stops alone leaves the others in a collective
+        failure = error
+    _agree_on(engine, failure, f"write checkpoint {folder}")
+    # ``latest`` moves to the new tag only once every rank's files are in place
+    if writes_shared:
+        shutil.copyfile(zero_to_fp32.__file__, Path(save_dir) / "zero_to_fp32.py")
+        if save_latest:
+            latest = Path(save_dir) / LATEST_FILE
+            latest.with_name(LATEST_FILE + ".tmp").write_text(tag)
+            os.replace(latest.with_name(LATEST_FILE + ".tmp"), latest)
+    if comm.get_world_size() > 1:
+        comm.barrier()
+    log_dist(f"saved checkpoint {folder}", ranks=[0])
+    return True
+
+
+def _write_files(
+    engine: DeepSpeedEngine,
+    folder: Path,
+    client_state: dict[str, Any],
+    exclude_frozen_parameters: bool,
+    writes_shared: bool,
+) -> None:
+    """This rank's optimizer shard (stages 1/2) and, on the writing rank, the model states."""
+    zip_format = engine.config.checkpoint.checkpoint_serialization  # False: legacy, no mmap
     shard = _optimizer_shard_name(engine)
     optimizer_state = engine.optimizer.state_dict() if engine.optimizer is not None else None
     if shard is not None:
@@ -65,32 +120,26 @@ def save(
         _atomic_save(
             {"optimizer_state_dict": optimizer_state, "dp_world_size": engine.dp_world_size},
             folder / shard,
+            zip_format,
         )
-    if engine.global_rank == 0:
-        folder.mkdir(parents=True, exist_ok=True)
-        state: dict[str, Any] = {
-            "module": engine.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters),
-            "optimizer": None if shard is not None else optimizer_state,
-            "lr_scheduler": engine.lr_scheduler.state_dict()
-            if engine.lr_scheduler is not None
-            else None,
-            "buffer_names": [name for name, _ in engine.module.named_buffers()],
-            "dp_world_size": engine.dp_world_size,
-            "zero_stage": engine.zero_optimization_stage(),
-            "ds_config": engine.config.raw,
-            "ds_version": __version__,
-            **{name: getattr(engine, name) for name in _COUNTERS},
-            **client_state,
-        }
-        _atomic_save(state, folder / MODEL_STATES)
-        # as DeepSpeed does: the consolidation script travels with the checkpoint (torch only)
-        shutil.copyfile(zero_to_fp32.__file__, Path(save_dir) / "zero_to_fp32.py")
-        if save_latest:
-            (Path(save_dir) / LATEST_FILE).write_text(tag)
-    if comm.get_world_size() > 1:
-        comm.barrier()
-    log_dist(f"saved checkpoint {folder}", ranks=[0])
-    return True
+    if not writes_shared:
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    state: dict[str, Any] = {
+        "module": engine.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters),
+        "optimizer": None if shard is not None else optimizer_state,
+        "lr_scheduler": engine.lr_scheduler.state_dict()
+        if engine.lr_scheduler is not None
+        else None,
+        "buffer_names": [name for name, _ in engine.module.named_buffers()],
+        "dp_world_size": engine.dp_world_size,
+        "zero_stage": engine.zero_optimization_stage(),
+        "ds_config": engine.config.raw,
+        "ds_version": __version__,
+        **{name: getattr(engine, name) for name in _COUNTERS},
+        **client_state,
+    }
+    _atomic_save(state, folder / MODEL_STATES, zip_format)
 
 
 def _validate_tag(engine: DeepSpeedEngine, tag: str) -> None:
@@ -144,20 +193,34 @@ def _optimizer_state(
         return None
     count = int(state["dp_world_size"])
     paths = [folder / zero_to_fp32.OPTIM_SHARD.format(rank) for rank in range(count)]
-    missing = [str(p) for p in paths if not p.is_file()]
-    if missing:
-        raise FileNotFoundError(
-            f"ZeRO optimizer shards missing from the checkpoint: {missing[:4]}; every rank of "
-            "the saving job writes one, so copy the whole tag directory, or pass "
-            "load_optimizer_states=False to take the module weights only"
-        )
 
     def read(rank: int) -> dict[str, Any]:
-        # memory-mapped: a rank reads only the pieces of each shard it re-partitions
-        saved = torch.load(paths[rank], map_location="cpu", weights_only=False, mmap=True)
-        return saved["optimizer_state_dict"]
+        # read when first needed (a rank keeping its layout needs only its own), memory-mapped
+        # (a rank reads only the pieces it re-partitions)
+        if not paths[rank].is_file():
+            missing = [str(p) for p in paths if not p.is_file()]
+            raise FileNotFoundError(
+                f"ZeRO optimizer shards missing from the checkpoint: {missing[:4]}; every rank "
+                "of the saving job writes one, so copy the whole tag directory, or pass "
+                "load_optimizer_states=False to take the module weights only"
+            )
+        return zero_to_fp32.load_file(paths[rank])["optimizer_state_dict"]
 
     return strategy.sharded_state(read, count, state["module"])
+
+
+def _agree_on(engine: DeepSpeedEngine, failure: Exception | None, what: str) -> None:
+    """Raise on every rank if any rank failed to ``what``: a rank going on alone would wait
+    forever in the next collective (loading the optimizer state ends in an all-gather)."""
+    if comm.get_world_size() > 1:
+        flag = torch.tensor([0.0 if failure is None else 1.0], device=engine.device)
+        comm.all_reduce(flag, op=comm.ReduceOp.MAX)
+        if failure is None and flag.item() > 0:
+            raise RuntimeError(
+                f"another rank failed to {what} (see its error above); this rank stops too"
+            )
+    if failure is not None:
+        raise failure
 
 
 def resolve_tag(load_dir: str, tag: str | None, universal: bool = False) -> str | None:
@@ -200,9 +263,13 @@ def load(
         )
     state = torch.load(path, map_location="cpu", weights_only=False)
     engine.load_module_state_dict(state, strict=load_module_strict, custom_load_fn=custom_load_fn)
-    saved = None
+    saved, failure = None, None
     if load_optimizer_states and engine.optimizer is not None:
-        saved = _optimizer_state(engine, Path(load_dir) / tag, state)
+        try:
+            saved = _optimizer_state(engine, Path(load_dir) / tag, state)
+        except Exception as error:  # every rank must learn of it before any collective
+            failure = error
+        _agree_on(engine, failure, f"load the optimizer state of {Path(load_dir) / tag}")
     if saved is not None:
         assert engine.optimizer is not None
         engine.optimizer.load_state_dict(saved)

@@ -64,6 +64,7 @@ class DeepSpeedEngine(nn.Module):
         self.mpu = mpu
         self.collate_fn = collate_fn
         self._config = config_class if config_class is not None else DeepSpeedConfig(config)
+        checkpointer.check_config(self._config)
         self.module = model
         self.micro_steps = 0
         #: ``micro_steps`` when the current accumulation window opened (a loaded checkpoint

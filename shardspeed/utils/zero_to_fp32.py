@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import re
+import zipfile
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -66,8 +67,10 @@ def _tag_folder(checkpoint_dir: str | os.PathLike[str], tag: str | None) -> Path
     return folder
 
 
-def _load(path: Path) -> Any:
-    return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+def load_file(path: str | os.PathLike[str]) -> Any:
+    """``torch.load`` onto the CPU, memory-mapped where the file allows it (the zip format
+    ``torch.save`` writes by default; not ``checkpoint_serialization: false`` files)."""
+    return torch.load(path, map_location="cpu", weights_only=False, mmap=zipfile.is_zipfile(path))
 
 
 def _stage12_masters(
@@ -80,7 +83,7 @@ def _stage12_masters(
         raise FileNotFoundError(
             f"ZeRO optimizer shards missing: {missing[:4]} (copy the tag whole)"
         )
-    states = [_load(p)["optimizer_state_dict"]["strategy"] for p in paths]
+    states = [load_file(p)["optimizer_state_dict"]["strategy"] for p in paths]
     layout = states[0].get("layout")
     if layout is None:
         raise ValueError(f"the shards in {folder} carry no bucket layout (an older shardspeed)")
@@ -144,7 +147,7 @@ def get_fp32_state_dict_from_zero_checkpoint(
     """The checkpoint's weights as one ``state_dict``: trainable parameters as their fp32
     masters, frozen parameters and buffers as saved. ``tag=None`` reads ``latest``."""
     folder = _tag_folder(checkpoint_dir, tag)
-    model = _load(folder / MODEL_STATES)
+    model = load_file(folder / MODEL_STATES)
     stage = model.get("zero_stage", 0)
     if stage in (1, 2):
         masters = _stage12_masters(folder, int(model["dp_world_size"]), model["module"])

@@ -331,14 +331,15 @@ class PartitionedStrategy(ZeroStrategy):
         # always rebuilt from the shards, also when nothing changed: one path, and the
         # rebuilt tensors own their memory (the shards may be memory-mapped files)
         layout, world = self.bucket_layout(), self.ctx.dp_world_size
-        resharder = Resharder(load_shard, count, module_state)
-        if not layouts_match(resharder.shards[0]["strategy"], layout, world):
+        rank = self.ctx.dp_rank
+        resharder = Resharder(load_shard, count, module_state, reference=min(rank, count - 1))
+        if not layouts_match(resharder.reference["strategy"], layout, world):
             log_dist(
                 f"re-partitioning ZeRO optimizer shards saved by {count} ranks for {world} "
                 "ranks and this run's buckets",
                 [0],
             )
-        return resharder.state_for(layout, world, self.ctx.dp_rank)
+        return resharder.state_for(layout, world, rank)
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()

@@ -57,11 +57,17 @@ class Resharder:
         load_shard: Callable[[int], dict[str, Any]],
         count: int,
         module_state: dict[str, torch.Tensor],
+        reference: int = 0,
     ) -> None:
-        self.shards = [load_shard(r) for r in range(count)]
+        self._load = load_shard
+        self._loaded: dict[int, dict[str, Any]] = {}
+        #: the shard read for what every shard holds alike (layout, groups, loss scale): the
+        #: caller's own where it exists, so a rank loading its own layout reads only its shard
+        #: (node-local storage keeps no other)
+        self.reference = self.shard(reference)
         #: the saved module weights, for masters a shard leaves out (fp32: the weights are them)
         self.module_state = module_state
-        old_layout = self.shards[0]["strategy"].get("layout")
+        old_layout = self.reference["strategy"].get("layout")
         if old_layout is None:
             raise ValueError(
                 "the checkpoint's ZeRO shards carry no bucket layout (saved by an older "
@@ -76,11 +82,17 @@ class Resharder:
             for name, offset, _ in bucket["params"]
         }
 
+    def shard(self, rank: int) -> dict[str, Any]:
+        """Rank ``rank``'s saved state, read on first use."""
+        if rank not in self._loaded:
+            self._loaded[rank] = self._load(rank)
+        return self._loaded[rank]
+
     def state_for(self, layout: list[BucketLayout], world: int, rank: int) -> dict[str, Any]:
         """This rank's optimizer-wrapper state (``ZeroOptimizer.state_dict()`` form) under
         ``layout`` split across ``world`` ranks."""
         self._check_params(layout)
-        saved_optimizer = self.shards[0]["optimizer"]
+        saved_optimizer = self.reference["optimizer"]
         if len(saved_optimizer["param_groups"]) != 1 + max(b["group"] for b in layout):
             raise ValueError(
                 f"the checkpoint's optimizer has {len(saved_optimizer['param_groups'])} parameter "
@@ -106,7 +118,7 @@ class Resharder:
             }
             for index, saved in enumerate(saved_optimizer["param_groups"])
         ]
-        strategy = dict(self.shards[0]["strategy"])
+        strategy = dict(self.reference["strategy"])
         strategy.update(
             dp_world_size=world,
             chunk_numel=[b["size"] // world for b in layout],
@@ -115,7 +127,7 @@ class Resharder:
         )
         return {
             "optimizer": {"state": states, "param_groups": groups},
-            "loss_scaler": self.shards[0]["loss_scaler"],
+            "loss_scaler": self.reference["loss_scaler"],
             "strategy": strategy,
         }
 
@@ -147,18 +159,18 @@ class Resharder:
 
     def _master_pieces(self, name: str, start: int, stop: int) -> Iterator[torch.Tensor]:
         bucket = self.sources[name].bucket
-        if self.shards[0]["strategy"]["fp32_chunks"][bucket] is None:
+        if self.reference["strategy"]["fp32_chunks"][bucket] is None:
             # the saving run stepped its fp32 parameters themselves: the module weights
             yield self.module_state[name].reshape(-1)[start:stop]
         else:
             yield from self._pieces(
-                name, start, stop, lambda r, b: self.shards[r]["strategy"]["fp32_chunks"][b]
+                name, start, stop, lambda r, b: self.shard(r)["strategy"]["fp32_chunks"][b]
             )
 
     def _state_pieces(self, key: str) -> Callable[[str, int, int], Iterator[torch.Tensor]]:
         def read(rank: int, bucket: int) -> torch.Tensor:
             index = self.old_layout[bucket]["state_index"]
-            return self.shards[rank]["optimizer"]["state"][index][key]
+            return self.shard(rank)["optimizer"]["state"][index][key]
 
         return lambda name, start, stop: self._pieces(name, start, stop, read)
 
@@ -166,7 +178,7 @@ class Resharder:
         """The saved state of ``group``'s first bucket on rank 0 (None if it never stepped)."""
         for bucket in self.old_layout:
             if bucket["group"] == group:
-                return self.shards[0]["optimizer"]["state"].get(bucket["state_index"])
+                return self.reference["optimizer"]["state"].get(bucket["state_index"])
         return None
 
     def _element_keys(self, group: int) -> list[str] | None:

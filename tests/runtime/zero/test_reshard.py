@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ import torch.distributed as dist
 from shardspeed.checkpoint.ds_to_universal import convert
 from shardspeed.runtime.zero.reshard import Resharder
 from shardspeed.utils import logger, safe_get_full_fp32_param, safe_get_full_optimizer_state
+from shardspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from tests.runtime.parity import assert_close, make_task, param_setup, rank_rows
 from tests.runtime.zero.ranks import _engine, _precision
 
@@ -144,17 +147,72 @@ def test_resume_in_another_shape(dist_pool, tmp_path, case):
 
 
 def refusals(folder: str) -> None:
-    """Missing shards are named, and the module weights still load without them."""
-    base = Path(folder)
+    """A missing shard is named on the rank that needs it and stops every rank (none is left
+    waiting in a collective); a failed save stops every rank and leaves ``latest`` alone."""
+    base, rank = Path(folder), dist.get_rank()
     stage1, _, _ = _build(1, 3000, seed=1)
     stage1.save_checkpoint(str(base / "s1"), tag="t")
-    if dist.get_rank() == 0:
+    if rank == 0:
         (base / "s1" / "t" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
     dist.barrier()
-    with pytest.raises(FileNotFoundError, match="zero_pp_rank_1_mp_rank_00_optim_states.pt"):
+    expected = (
+        (FileNotFoundError, "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+        if rank == 1
+        else (RuntimeError, "another rank failed to load the optimizer state")
+    )
+    with pytest.raises(expected[0], match=expected[1]):
         stage1.load_checkpoint(str(base / "s1"), tag="t")
     stage1.load_checkpoint(str(base / "s1"), tag="t", load_optimizer_states=False)
+    # rank 1 cannot write its shard (a directory sits where its temporary file goes)
+    if rank == 1:
+        (base / "s1" / "u" / "zero_pp_rank_1_mp_rank_00_optim_states.pt.tmp").mkdir(parents=True)
+    dist.barrier()
+    expected = (RuntimeError, "Is a directory" if rank == 1 else "another rank failed to write")
+    with pytest.raises(expected[0], match=expected[1]):
+        stage1.save_checkpoint(str(base / "s1"), tag="u")
+    assert (base / "s1" / "latest").read_text() == "t"
     stage1.destroy()
+
+
+def node_local_and_legacy_format(folder: str) -> None:
+    """use_node_local_storage: each node's first rank writes the model states to its own disk,
+    and a rank resuming in the same layout reads only its own shard from there.
+    checkpoint_serialization false: torch's legacy format, loaded without a memory map."""
+    base, rank = Path(folder), dist.get_rank()
+    saved_local_rank = os.environ.get("LOCAL_RANK")
+    os.environ["LOCAL_RANK"] = "0"  # two one-rank "nodes", each with its own disk below
+    try:
+        for options in ({"use_node_local_storage": True}, {"checkpoint_serialization": False}):
+            node_local = "use_node_local_storage" in options
+            disk = base / (f"node{rank}" if node_local else "shared")
+            engine, task, gas = _build(2, 3000, seed=0, checkpoint=options)
+            _train(engine, task, range(1), gas)
+            engine.save_checkpoint(str(disk), tag="t")
+            state = _full_state(engine)
+            engine.destroy()
+            files = sorted(p.name for p in (disk / "t").iterdir())
+            if node_local:  # this node's disk: the model states and this rank's shard only
+                assert files == [
+                    "mp_rank_00_model_states.pt",
+                    f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt",
+                ], files
+            else:
+                assert not any(zipfile.is_zipfile(disk / "t" / name) for name in files)
+            loaded, _, _ = _build(2, 3000, seed=1, checkpoint=options)
+            loaded.load_checkpoint(str(disk))
+            for key, value in _full_state(loaded).items():
+                assert torch.equal(value, state[key]), key
+            loaded.destroy()
+    finally:
+        if saved_local_rank is not None:
+            os.environ["LOCAL_RANK"] = saved_local_rank
+
+
+def test_node_local_storage_and_legacy_format(dist_pool, tmp_path):
+    dist_pool(2).run(node_local_and_legacy_format, str(tmp_path))
+    # the legacy-format checkpoint consolidates too
+    state = get_fp32_state_dict_from_zero_checkpoint(tmp_path / "shared")
+    assert state["wte.weight"].dtype == torch.float32
 
 
 @pytest.mark.timeout(240)
@@ -270,3 +328,18 @@ def test_resharder_index_arithmetic():
         resharder.state_for(
             [{"group": 0, "size": 2, "state_index": 0, "params": [["d", 0, 2]]}], 2, 0
         )
+
+
+def checkpoint_config_refusals() -> None:
+    for section, match in (
+        ({"nebula": {"enabled": True}}, "nebula.enabled=true"),
+        ({"checkpoint": {"writer": {"type": "mock"}}}, 'writer.type="MOCK"'),
+    ):
+        with pytest.raises(NotImplementedError, match=match):
+            _build(1, 3000, seed=0, **section)
+    engine, _, _ = _build(1, 3000, seed=0, checkpoint={"writer": {"type": "fast"}})
+    engine.destroy()  # FAST is accepted: the files are the same, written with torch.save
+
+
+def test_checkpoint_config_refusals(dist_pool):
+    dist_pool(2).run(checkpoint_config_refusals)
