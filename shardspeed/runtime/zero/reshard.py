@@ -93,7 +93,9 @@ class Resharder:
         ``layout`` split across ``world`` ranks."""
         self._check_params(layout)
         saved_optimizer = self.reference["optimizer"]
-        if len(saved_optimizer["param_groups"]) != 1 + max(b["group"] for b in layout):
+        if len(saved_optimizer["param_groups"]) != 1 + max(
+            (b["group"] for b in layout), default=-1
+        ):
             raise ValueError(
                 f"the checkpoint's optimizer has {len(saved_optimizer['param_groups'])} parameter "
                 "groups and this run's a different number; build the optimizer with the same "
