@@ -1,6 +1,12 @@
 """Train a small GPT on synthetic tokens with shardspeed, exactly as one would with DeepSpeed.
 
 shardspeed --num_gpus 2 examples/train_gpt.py --deepspeed_config examples/gpt_config.json
+
+With ``--save_dir D`` it saves a checkpoint at the end; with ``--resume`` it first loads the
+newest one from D, which may have been saved by another number of ranks or ZeRO stage:
+
+shardspeed --num_gpus 2 examples/train_gpt.py --deepspeed_config examples/gpt_config.json --save_dir ckpt
+shardspeed --num_gpus 1 examples/train_gpt.py --deepspeed_config examples/gpt_config.json --save_dir ckpt --resume
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--n_embd", type=int, default=64)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the launcher")
+    parser.add_argument("--save_dir", default=None, help="save a checkpoint here at the end")
+    parser.add_argument("--resume", action="store_true", help="first load the newest checkpoint")
     deepspeed.add_config_arguments(parser)
     return parser.parse_args()
 
@@ -42,6 +50,10 @@ def main() -> None:
     )
     batches = deepspeed.utils.RepeatingLoader(loader)
     rank = deepspeed.comm.get_rank()
+    if args.resume:
+        path, _ = engine.load_checkpoint(args.save_dir)
+        if rank == 0:
+            print(f"resumed from {path} at step {engine.global_steps}", flush=True)
     first_loss = last_loss = float("nan")
     for step in range(1, args.steps + 1):
         for _ in range(engine.gradient_accumulation_steps()):
@@ -56,6 +68,10 @@ def main() -> None:
             print(f"step {step:4d}  loss {last_loss:.4f}  lr {engine.get_lr()[0]:.2e}", flush=True)
     if rank == 0:
         print(f"done: {args.steps} steps, loss {first_loss:.4f} -> {last_loss:.4f}", flush=True)
+    if args.save_dir:
+        engine.save_checkpoint(args.save_dir)
+        if rank == 0:
+            print(f"saved {args.save_dir}/global_step{engine.global_steps}", flush=True)
 
 
 if __name__ == "__main__":
