@@ -273,8 +273,11 @@ def load(
     if saved is not None:
         assert engine.optimizer is not None
         engine.optimizer.load_state_dict(saved)
-    elif engine.optimizer is not None:
-        # no optimizer state loaded: master weights must follow the module weights just loaded
+    if engine.optimizer is not None and (
+        saved is None or not engine.config.zero_optimization.load_from_fp32_weights
+    ):
+        # no optimizer state loaded, or zero_optimization.load_from_fp32_weights=false: the
+        # master weights follow the (possibly 16-bit) module weights just loaded
         engine.optimizer.strategy.load_state_dict({})
     if load_lr_scheduler_states and engine.lr_scheduler is not None and state.get("lr_scheduler"):
         engine.lr_scheduler.load_state_dict(state["lr_scheduler"])

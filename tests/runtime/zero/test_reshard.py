@@ -330,6 +330,35 @@ def test_resharder_index_arithmetic():
         )
 
 
+def masters_from_16bit_weights(folder: str) -> None:
+    """zero_optimization.load_from_fp32_weights=false starts the masters from the bf16 module
+    weights; the default takes the saved fp32 masters."""
+    saving, task, gas = _build(2, 3000, seed=0, dtype="bf16")
+    _train(saving, task, range(2), gas)
+    saving.save_checkpoint(folder, tag="t")
+    saved = _full_state(saving)
+    saving.destroy()
+    for from_fp32 in (True, False):
+        torch.manual_seed(1)
+        zero = {"reduce_bucket_size": 3000, "load_from_fp32_weights": from_fp32}
+        engine = _engine(task.build(), 2, gas=gas, zero=zero, **_precision("bf16"))
+        engine.load_checkpoint(folder, tag="t")
+        for name, param in engine.module.named_parameters():
+            master = safe_get_full_fp32_param(param)
+            expected = saved[name] if from_fp32 else param.detach().float()
+            assert torch.equal(master, expected), (from_fp32, name)
+            # the optimizer state loads either way
+            assert torch.equal(
+                safe_get_full_optimizer_state(param, "exp_avg"), saved[f"{name}:exp_avg"]
+            )
+        assert not torch.equal(saved["wte.weight"], engine.module.wte.weight.float())
+        engine.destroy()
+
+
+def test_load_from_fp32_weights(dist_pool, tmp_path):
+    dist_pool(2).run(masters_from_16bit_weights, str(tmp_path))
+
+
 def checkpoint_config_refusals() -> None:
     for section, match in (
         ({"nebula": {"enabled": True}}, "nebula.enabled=true"),
