@@ -152,15 +152,18 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
     stage: ZeroStageEnum = ZeroStageEnum.disabled
     """0 disabled; 1 optimizer states; 2 + gradients; 3 + parameters."""
     contiguous_gradients: bool = True
-    """Copy gradients into a contiguous buffer as they are produced."""
+    """Copy gradients into a contiguous buffer as they are produced. (shardspeed's gradient
+    buckets are always contiguous, so both values behave alike.)"""
     reduce_scatter: bool = True
     """Average gradients with reduce/reduce-scatter instead of all-reduce."""
     reduce_bucket_size: int = Field(default=500_000_000, ge=0)
     """Elements reduced at a time."""
     use_multi_rank_bucket_allreduce: bool = True
-    """Combine the reduce buckets of different ranks into one all-reduce."""
+    """Combine the reduce buckets of different ranks into one all-reduce. (Accepted; shardspeed
+    reduces each bucket with one collective either way.)"""
     allgather_partitions: bool = True
-    """All-gather (not broadcasts) the updated partitions at step end."""
+    """All-gather (not broadcasts) the updated partitions at step end. (Accepted; the results
+    are the same, and shardspeed's gloo all-gather already runs as one broadcast per rank.)"""
     allgather_bucket_size: int = Field(default=500_000_000, ge=0)
     """Elements all-gathered at a time."""
     overlap_comm: bool | None = None
@@ -168,7 +171,8 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
     load_from_fp32_weights: bool = True
     """Initialize fp32 master weights from the checkpoint's fp32 copies."""
     elastic_checkpoint: bool = False
-    """Load a checkpoint saved with a different world size (no longer supported)."""
+    """Load a checkpoint saved with a different world size: no longer a DeepSpeed option, and
+    shardspeed always can (checkpoints re-partition on load), so either value behaves alike."""
     offload_param: DeepSpeedZeroOffloadParamConfig | None = None
     """Parameter offload (stage 3 only)."""
     offload_optimizer: DeepSpeedZeroOffloadOptimizerConfig | None = None
@@ -220,7 +224,8 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
     legacy_stage1: bool = False
     """The old stage-1 implementation."""
     round_robin_gradients: bool = False
-    """Parallelize gradient copies to CPU across ranks (stages 1/2 with offload)."""
+    """Parallelize gradient copies to CPU across ranks (stages 1/2 with offload, which is not
+    yet supported; accepted and without effect)."""
     zero_hpz_partition_size: int = Field(default=1, ge=0)
     """Ranks in the secondary (hpZ) partition group."""
     zero_quantized_weights: bool = False

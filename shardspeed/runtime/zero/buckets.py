@@ -149,6 +149,8 @@ class GradientBuckets:
         self._reducing = False
         #: parameters whose gradient this reducing backward has already counted
         self._arrived: set[nn.Parameter] = set()
+        #: parameters that got a gradient since the last zero_ (ignore_unused_parameters)
+        self._used: set[nn.Parameter] = set()
         #: released staged-bucket buffers, reused best-fit
         self._spare: list[torch.Tensor] = []
         self._handles = [
@@ -194,6 +196,7 @@ class GradientBuckets:
     def zero_(self) -> None:
         """Forget every gradient: zero the buffers in place, keeping the ``.grad`` views attached
         (views mode), or drop the ``.grad`` tensors (accumulate and staged modes)."""
+        self._used.clear()
         for bucket in self.buckets:
             if not self.staged:
                 bucket.flat().zero_()
@@ -243,6 +246,10 @@ class GradientBuckets:
         if self.staged:
             return param.grad
         return self.view_of(param)
+
+    def unused_params(self) -> list[nn.Parameter]:
+        """Parameters that got no gradient since the last :meth:`zero_` (in bucket order)."""
+        return [p for bucket in self.buckets for p in bucket.params if p not in self._used]
 
     def bucket_of(self, param: nn.Parameter) -> GradBucket:
         """The bucket holding ``param``."""
@@ -322,6 +329,7 @@ class GradientBuckets:
 
     def _on_grad_accumulated(self, param: torch.Tensor) -> None:
         bucket, position = self._slot[param]  # type: ignore[index]
+        self._used.add(param)  # type: ignore[arg-type]
         if bucket.accumulates and not self.staged:
             self._absorb(bucket, param)  # type: ignore[arg-type]
         elif not self.staged:

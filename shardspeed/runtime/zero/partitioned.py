@@ -202,11 +202,32 @@ class PartitionedStrategy(ZeroStrategy):
         self.buckets.release(reduction.bucket)
 
     def end_backward(self) -> None:
-        if self.buckets.flush():
-            self._reduced = True
+        reduced = bool(self.buckets.flush())
+        self._reduced = self._reduced or reduced
         while self._inflight:
             self._finish(self._inflight.popleft())
         self.buckets.drop_spares()
+        if reduced and not getattr(self.ctx.zero_config, "ignore_unused_parameters", True):
+            self._refuse_unused()
+
+    def _refuse_unused(self) -> None:
+        """``ignore_unused_parameters: false``: stop, on every rank, if any rank trained a
+        parameter that got no gradient in the whole accumulation window (checked after the
+        reductions, so no rank is left inside a collective)."""
+        names = {id(p): name for name, p in self.module.named_parameters()}
+        unused = [names.get(id(p), str(tuple(p.shape))) for p in self.buckets.unused_params()]
+        device = self.master_chunks[0].device if self.master_chunks else None
+        count = torch.tensor([float(len(unused))], device=device)
+        if self.ctx.dp_world_size > 1:
+            comm.all_reduce(count, op=comm.ReduceOp.MAX, group=self.ctx.dp_group)
+        if count.item() > 0:
+            where = f"{unused[:5]}" if unused else "on another rank"
+            raise ValueError(
+                f"parameters got no gradient in this accumulation window ({where}) and "
+                "zero_optimization.ignore_unused_parameters is false; set it to true "
+                "(DeepSpeed's default: unused parameters reduce as zeros) or make every "
+                "trainable parameter take part in the loss"
+            )
 
     # -- step -----------------------------------------------------------------------------
     def _master_grads(self) -> list[torch.Tensor]:
