@@ -204,7 +204,9 @@ def node_local_and_legacy_format(folder: str) -> None:
                 assert torch.equal(value, state[key]), key
             loaded.destroy()
     finally:
-        if saved_local_rank is not None:
+        if saved_local_rank is None:
+            os.environ.pop("LOCAL_RANK", None)
+        else:
             os.environ["LOCAL_RANK"] = saved_local_rank
 
 
