@@ -26,7 +26,7 @@ import torch
 from shardspeed import comm
 from shardspeed.checkpoint import UNIVERSAL_CHECKPOINT_INFO
 from shardspeed.checkpoint.ds_to_universal import LATEST_UNIVERSAL, universal_shard
-from shardspeed.runtime.zero.reshard import shard_from_replicated
+from shardspeed.runtime.zero.reshard import shard_from_deepspeed, shard_from_replicated
 from shardspeed.utils import zero_to_fp32
 from shardspeed.utils.logging import log_dist
 from shardspeed.version import __version__
@@ -38,6 +38,16 @@ if TYPE_CHECKING:
 LATEST_FILE = "latest"
 MODEL_STATES = zero_to_fp32.MODEL_STATES
 _COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
+_DEEPSPEED_KEYS = (
+    "param_shapes",
+    "frozen_param_shapes",
+    "frozen_param_fragments",
+    "shared_params",
+    "mp_world_size",
+    "data_sampler",
+    "random_ltd",
+    "sparse_tensor_module_names",
+)
 
 
 def _atomic_save(obj: Any, path: Path, zip_format: bool = True) -> None:
@@ -189,8 +199,9 @@ def _optimizer_state(
         return strategy.sharded_state(
             lambda _: shard_from_replicated(replicated), 1, state["module"]
         )
-    if not state.get("zero_stage"):  # stage 0 with nothing in "optimizer": none was saved
-        return None
+    deepspeed_shards = "param_shapes" in state  # written by DeepSpeed's ZeRO 1/2
+    if not state.get("zero_stage") and not deepspeed_shards:
+        return None  # stage 0 with nothing in "optimizer": none was saved
     count = int(state["dp_world_size"])
     paths = [folder / zero_to_fp32.OPTIM_SHARD.format(rank) for rank in range(count)]
 
@@ -204,7 +215,10 @@ def _optimizer_state(
                 "of the saving job writes one, so copy the whole tag directory, or pass "
                 "load_optimizer_states=False to take the module weights only"
             )
-        return zero_to_fp32.load_file(paths[rank])["optimizer_state_dict"]
+        saved = zero_to_fp32.load_file(paths[rank])["optimizer_state_dict"]
+        if deepspeed_shards:
+            return shard_from_deepspeed(saved, state["param_shapes"], count)
+        return saved
 
     return strategy.sharded_state(read, count, state["module"])
 
@@ -261,7 +275,8 @@ def load(
             f"checkpoint file {path} does not exist; check load_dir and tag (tags present: "
             f"{sorted(p.name for p in Path(load_dir).iterdir() if p.is_dir()) if Path(load_dir).is_dir() else 'none'})"
         )
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    # not memory-mapped: stage 0's optimizer state loads from here without a copy
+    state = zero_to_fp32.load_file(path, mmap=False)
     engine.load_module_state_dict(state, strict=load_module_strict, custom_load_fn=custom_load_fn)
     saved, failure = None, None
     if load_optimizer_states and engine.optimizer is not None:
@@ -294,6 +309,8 @@ def load(
         "ds_config",
         "ds_version",
         *_COUNTERS,
+        # what DeepSpeed's model files add
+        *_DEEPSPEED_KEYS,
     }
     client_state = {k: v for k, v in state.items() if k not in reserved}
     return str(path), client_state

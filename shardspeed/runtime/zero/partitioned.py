@@ -360,7 +360,7 @@ class PartitionedStrategy(ZeroStrategy):
                 "ranks and this run's buckets",
                 [0],
             )
-        return resharder.state_for(layout, world, rank)
+        return resharder.state_for(layout, world, rank, self.optimizer.param_groups)
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()

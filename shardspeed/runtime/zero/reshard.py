@@ -23,7 +23,8 @@ elements of a new chunk start at zero.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import math
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,9 +89,17 @@ class Resharder:
             self._loaded[rank] = self._load(rank)
         return self._loaded[rank]
 
-    def state_for(self, layout: list[BucketLayout], world: int, rank: int) -> dict[str, Any]:
+    def state_for(
+        self,
+        layout: list[BucketLayout],
+        world: int,
+        rank: int,
+        current_groups: Sequence[dict[str, Any]] = (),
+    ) -> dict[str, Any]:
         """This rank's optimizer-wrapper state (``ZeroOptimizer.state_dict()`` form) under
-        ``layout`` split across ``world`` ranks."""
+        ``layout`` split across ``world`` ranks. Saved group settings win; a setting only
+        ``current_groups`` (this run's optimizer) has is kept, so state saved by another
+        optimizer class (torch's AdamW for shardspeed's, say) still steps."""
         self._check_params(layout)
         saved_optimizer = self.reference["optimizer"]
         if len(saved_optimizer["param_groups"]) != 1 + max(
@@ -113,12 +122,16 @@ class Resharder:
                 pieces = self._state_pieces(key)
                 state[key] = self._chunk(bucket, chunk, rank, pieces, first[key].dtype)
             states[bucket["state_index"]] = state
+        current = list(current_groups) or [{}] * len(saved_optimizer["param_groups"])
         groups = [
             {
+                **{k: v for k, v in now.items() if k != "params"},
                 **saved,
                 "params": [b["state_index"] for b in layout if b["group"] == index],
             }
-            for index, saved in enumerate(saved_optimizer["param_groups"])
+            for index, (saved, now) in enumerate(
+                zip(saved_optimizer["param_groups"], current, strict=True)
+            )
         ]
         strategy = dict(self.reference["strategy"])
         strategy.update(
@@ -305,3 +318,36 @@ def replicated_from_shard(
         for bucket, chunk in zip(layout, state["strategy"]["fp32_chunks"], strict=True)
     ]
     return {"state": per_index, "param_groups": groups}, masters
+
+
+# -- DeepSpeed's own ZeRO 1/2 checkpoints --------------------------------------------------------
+def shard_from_deepspeed(
+    saved: dict[str, Any], param_shapes: list[dict[str, Any]], count: int
+) -> dict[str, Any]:
+    """One rank's ``optimizer_state_dict`` from a DeepSpeed ZeRO 1/2 checkpoint, as a shard of
+    this module's form. DeepSpeed flattens each parameter group's parameters in the order of the
+    model file's ``param_shapes`` (padding at the end) and splits the flat group into ``count``
+    equal partitions: one bucket per group, whose fp32 partition is
+    ``single_partition_of_fp32_groups[g]`` and whose optimizer state is the base optimizer's
+    state of its one flat parameter ``g``."""
+    layout = []
+    for group, shapes in enumerate(param_shapes):
+        params, offset = [], 0
+        for name, shape in shapes.items():
+            numel = math.prod(shape)
+            params.append([name, offset, numel])
+            offset += numel
+        partition = saved["single_partition_of_fp32_groups"][group].numel()
+        layout.append(
+            {"group": group, "size": partition * count, "state_index": group, "params": params}
+        )
+    scaler = saved.get("loss_scaler")
+    return {
+        "optimizer": saved["base_optimizer_state"],
+        "loss_scaler": dict(vars(scaler)) if scaler is not None else {"cur_scale": 1.0},
+        "strategy": {
+            "layout": layout,
+            "dp_world_size": count,
+            "fp32_chunks": list(saved["single_partition_of_fp32_groups"]),
+        },
+    }

@@ -223,7 +223,8 @@ class ReplicatedStrategy(ZeroStrategy):
     ) -> dict[str, Any]:
         """Gather a stage 1/2 checkpoint's shards into this replicated optimizer's state."""
         layout = self.bucket_layout()
-        state = Resharder(load_shard, count, module_state).state_for(layout, 1, 0)
+        resharder = Resharder(load_shard, count, module_state)
+        state = resharder.state_for(layout, 1, 0, self.optimizer.param_groups)
         shapes, indices, index = {}, [], 0
         for group in self.optimizer.param_groups:
             indices.append(list(range(index, index + len(group["params"]))))
