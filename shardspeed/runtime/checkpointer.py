@@ -194,6 +194,12 @@ def _optimizer_state(
         return strategy.sharded_state(lambda _: shard, 1, state["module"])
     replicated = state.get("optimizer")
     if replicated is not None:
+        if "strategy" not in replicated:
+            raise ValueError(
+                f"{folder / MODEL_STATES} holds optimizer state in a form shardspeed does not "
+                "read (DeepSpeed without ZeRO, or its fp16 optimizer); DeepSpeed's ZeRO 1/2 "
+                "checkpoints load. Pass load_optimizer_states=False to take the module weights"
+            )
         if strategy.checkpoint_shard_name() is None:
             return replicated
         return strategy.sharded_state(
@@ -209,6 +215,13 @@ def _optimizer_state(
         # read when first needed (a rank keeping its layout needs only its own), memory-mapped
         # (a rank reads only the pieces it re-partitions)
         if not paths[rank].is_file():
+            if deepspeed_shards and any(folder.glob("bf16_zero_pp_rank_*")):
+                raise ValueError(
+                    f"{folder} was written by DeepSpeed's bf16 optimizer (bf16_zero_pp_rank_* "
+                    "files), which shardspeed does not read yet; DeepSpeed's ZeRO 1/2 "
+                    "zero_pp_rank_* checkpoints load. Pass load_optimizer_states=False to take "
+                    "the module weights"
+                )
             missing = [str(p) for p in paths if not p.is_file()]
             raise FileNotFoundError(
                 f"ZeRO optimizer shards missing from the checkpoint: {missing[:4]}; every rank "

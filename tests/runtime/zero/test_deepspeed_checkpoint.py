@@ -46,3 +46,30 @@ def load_deepspeed_checkpoint(stage: int) -> None:
 )
 def test_deepspeed_zero2_checkpoint_loads(dist_pool, world, stage):
     dist_pool(world).run(load_deepspeed_checkpoint, stage)
+
+
+def unreadable_forms(folder: str) -> None:
+    """DeepSpeed checkpoints shardspeed cannot read yet are named as such, not as missing files."""
+    base = Path(folder)
+    engine = _engine(make_task("gpt", rows=8).build(), 1)
+    with pytest.raises(ValueError, match="bf16 optimizer"):
+        engine.load_checkpoint(str(base / "bf16"), tag="ds")
+    with pytest.raises(ValueError, match="DeepSpeed without ZeRO"):
+        engine.load_checkpoint(str(base / "stage0"), tag="ds")
+    engine.load_checkpoint(str(base / "stage0"), tag="ds", load_optimizer_states=False)
+    engine.destroy()
+
+
+def test_unreadable_deepspeed_forms_are_named(dist_pool, tmp_path):
+    # DeepSpeed's bf16 optimizer names its shards bf16_zero_pp_rank_*
+    (tmp_path / "bf16" / "ds").mkdir(parents=True)
+    for source in (FIXTURE / "ds").iterdir():
+        name = source.name if source.name.startswith("mp_rank") else f"bf16_{source.name}"
+        (tmp_path / "bf16" / "ds" / name).write_bytes(source.read_bytes())
+    # without ZeRO, DeepSpeed keeps a plain torch optimizer state in the model file
+    (tmp_path / "stage0" / "ds").mkdir(parents=True)
+    model = torch.load(FIXTURE / "ds" / "mp_rank_00_model_states.pt", weights_only=False)
+    del model["param_shapes"]
+    model["optimizer"] = {"state": {}, "param_groups": [{"lr": 0.1, "params": [0]}]}
+    torch.save(model, tmp_path / "stage0" / "ds" / "mp_rank_00_model_states.pt")
+    dist_pool(2).run(unreadable_forms, str(tmp_path))
