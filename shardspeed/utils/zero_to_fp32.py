@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import pickle
 import re
@@ -113,21 +114,47 @@ def load_file(path: str | os.PathLike[str], mmap: bool = True) -> Any:
     )
 
 
+def deepspeed_layout(
+    param_shapes: list[dict[str, Any]], partitions: list[int], count: int
+) -> list[dict[str, Any]]:
+    """The bucket layout (see :mod:`shardspeed.runtime.zero.reshard`) of a DeepSpeed ZeRO 1/2
+    checkpoint: each parameter group is one flat bucket of its parameters in ``param_shapes``
+    order, padded at the end, split into ``count`` partitions of ``partitions[g]`` elements."""
+    layout = []
+    for group, shapes in enumerate(param_shapes):
+        params, offset = [], 0
+        for name, shape in shapes.items():
+            numel = math.prod(shape)
+            params.append([name, offset, numel])
+            offset += numel
+        size = partitions[group] * count
+        layout.append({"group": group, "size": size, "state_index": group, "params": params})
+    return layout
+
+
 def _stage12_masters(
-    folder: Path, count: int, module: dict[str, torch.Tensor]
+    folder: Path,
+    count: int,
+    module: dict[str, torch.Tensor],
+    param_shapes: list[dict[str, Any]] | None = None,
 ) -> dict[str, tuple[Callable[[], torch.Tensor], int]]:
-    """Builders of each trainable parameter's flat fp32 master from the ``count`` shards."""
+    """Builders of each trainable parameter's flat fp32 master from the ``count`` shards
+    (shardspeed's, or DeepSpeed's when its ``param_shapes`` are given)."""
     paths = [folder / OPTIM_SHARD.format(rank) for rank in range(count)]
     missing = [str(p) for p in paths if not p.is_file()]
     if missing:
         raise FileNotFoundError(
             f"ZeRO optimizer shards missing: {missing[:4]} (copy the tag whole)"
         )
-    states = [load_file(p)["optimizer_state_dict"]["strategy"] for p in paths]
-    layout = states[0].get("layout")
-    if layout is None:
-        raise ValueError(f"the shards in {folder} carry no bucket layout (an older shardspeed)")
-    chunks = [state["fp32_chunks"] for state in states]
+    saved = [load_file(p)["optimizer_state_dict"] for p in paths]
+    if param_shapes is not None:  # written by DeepSpeed: one flat partition per group
+        chunks = [list(s["single_partition_of_fp32_groups"]) for s in saved]
+        layout = deepspeed_layout(param_shapes, [c.numel() for c in chunks[0]], count)
+    else:
+        layout = saved[0]["strategy"].get("layout")
+        if layout is None:
+            raise ValueError(f"the shards in {folder} carry no bucket layout (an older shardspeed)")
+        chunks = [s["strategy"]["fp32_chunks"] for s in saved]
 
     def builder(bucket: int, offset: int, numel: int) -> Callable[[], torch.Tensor]:
         def build() -> torch.Tensor:
@@ -189,7 +216,10 @@ def get_fp32_state_dict_from_zero_checkpoint(
     folder = _tag_folder(checkpoint_dir, tag)
     model = load_file(folder / MODEL_STATES)
     stage = model.get("zero_stage", 0)
-    if stage in (1, 2):
+    if "param_shapes" in model:  # DeepSpeed's ZeRO 1/2
+        count = int(model["dp_world_size"])
+        masters = _stage12_masters(folder, count, model["module"], model["param_shapes"])
+    elif stage in (1, 2):
         masters = _stage12_masters(folder, int(model["dp_world_size"]), model["module"])
     elif stage == 0:
         masters = _stage0_masters(model)

@@ -23,12 +23,13 @@ elements of a new chunk start at zero.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from shardspeed.utils.zero_to_fp32 import deepspeed_layout
 
 #: a bucket's layout as saved: ``{"group", "size", "state_index", "params": [[name, offset,
 #: numel], ...]}`` (plain Python, so checkpoints stay readable without shardspeed)
@@ -330,17 +331,8 @@ def shard_from_deepspeed(
     equal partitions: one bucket per group, whose fp32 partition is
     ``single_partition_of_fp32_groups[g]`` and whose optimizer state is the base optimizer's
     state of its one flat parameter ``g``."""
-    layout = []
-    for group, shapes in enumerate(param_shapes):
-        params, offset = [], 0
-        for name, shape in shapes.items():
-            numel = math.prod(shape)
-            params.append([name, offset, numel])
-            offset += numel
-        partition = saved["single_partition_of_fp32_groups"][group].numel()
-        layout.append(
-            {"group": group, "size": partition * count, "state_index": group, "params": params}
-        )
+    partitions = [p.numel() for p in saved["single_partition_of_fp32_groups"]]
+    layout = deepspeed_layout(param_shapes, partitions, count)
     scaler = saved.get("loss_scaler")
     return {
         "optimizer": saved["base_optimizer_state"],

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from shardspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from tests.runtime.parity import make_task, rank_rows
 from tests.runtime.zero.ranks import _engine
 from tests.runtime.zero.test_reshard import _full_state
@@ -73,3 +74,13 @@ def test_unreadable_deepspeed_forms_are_named(dist_pool, tmp_path):
     model["optimizer"] = {"state": {}, "param_groups": [{"lr": 0.1, "params": [0]}]}
     torch.save(model, tmp_path / "stage0" / "ds" / "mp_rank_00_model_states.pt")
     dist_pool(2).run(unreadable_forms, str(tmp_path))
+
+
+def test_zero_to_fp32_consolidates_a_deepspeed_checkpoint():
+    """shardspeed's zero_to_fp32 (torch only) reads DeepSpeed's ZeRO 2 shards too."""
+    state = get_fp32_state_dict_from_zero_checkpoint(FIXTURE)
+    expected = torch.load(FIXTURE / "expected_state.pt", weights_only=True)
+    masters = {k: v for k, v in expected.items() if ":" not in k}
+    for name, value in masters.items():
+        assert torch.equal(state[name], value), name
+    assert torch.equal(state["lm_head.weight"], state["wte.weight"])  # tied, saved under both
