@@ -209,19 +209,12 @@ def _optimizer_state(
     if not state.get("zero_stage") and not deepspeed_shards:
         return None  # stage 0 with nothing in "optimizer": none was saved
     count = int(state["dp_world_size"])
-    paths = [folder / zero_to_fp32.OPTIM_SHARD.format(rank) for rank in range(count)]
+    paths = zero_to_fp32.shard_paths(folder, count)
 
     def read(rank: int) -> dict[str, Any]:
         # read when first needed (a rank keeping its layout needs only its own), memory-mapped
         # (a rank reads only the pieces it re-partitions)
         if not paths[rank].is_file():
-            if deepspeed_shards and any(folder.glob("bf16_zero_pp_rank_*")):
-                raise ValueError(
-                    f"{folder} was written by DeepSpeed's bf16 optimizer (bf16_zero_pp_rank_* "
-                    "files), which shardspeed does not read yet; DeepSpeed's ZeRO 1/2 "
-                    "zero_pp_rank_* checkpoints load. Pass load_optimizer_states=False to take "
-                    "the module weights"
-                )
             missing = [str(p) for p in paths if not p.is_file()]
             raise FileNotFoundError(
                 f"ZeRO optimizer shards missing from the checkpoint: {missing[:4]}; every rank "

@@ -114,6 +114,25 @@ def load_file(path: str | os.PathLike[str], mmap: bool = True) -> Any:
     )
 
 
+def shard_paths(folder: Path, count: int) -> list[Path]:
+    """The optimizer shard of each of ``count`` ranks: ``zero_pp_rank_*``, or DeepSpeed's
+    ``bf16_zero_pp_rank_*`` (its name for the same files when bf16 is on)."""
+    plain = [folder / OPTIM_SHARD.format(rank) for rank in range(count)]
+    bf16 = [p.with_name("bf16_" + p.name) for p in plain]
+    return bf16 if not plain[0].is_file() and bf16[0].is_file() else plain
+
+
+def deepspeed_partitions(saved: dict[str, Any]) -> list[torch.Tensor]:
+    """The fp32 partitions of a DeepSpeed ZeRO 1/2 shard's ``optimizer_state_dict``."""
+    if "single_partition_of_fp32_groups" not in saved:
+        raise ValueError(
+            "this shard was written by a DeepSpeed optimizer whose format shardspeed does not "
+            "read yet (its bf16 optimizer, used with ZeRO 0/1); DeepSpeed's ZeRO 1/2 "
+            "checkpoints load. Pass load_optimizer_states=False to take the module weights"
+        )
+    return list(saved["single_partition_of_fp32_groups"])
+
+
 def deepspeed_layout(
     param_shapes: list[dict[str, Any]], partitions: list[int], count: int
 ) -> list[dict[str, Any]]:
@@ -140,7 +159,7 @@ def _stage12_masters(
 ) -> dict[str, tuple[Callable[[], torch.Tensor], int]]:
     """Builders of each trainable parameter's flat fp32 master from the ``count`` shards
     (shardspeed's, or DeepSpeed's when its ``param_shapes`` are given)."""
-    paths = [folder / OPTIM_SHARD.format(rank) for rank in range(count)]
+    paths = shard_paths(folder, count)
     missing = [str(p) for p in paths if not p.is_file()]
     if missing:
         raise FileNotFoundError(
@@ -148,7 +167,7 @@ def _stage12_masters(
         )
     saved = [load_file(p)["optimizer_state_dict"] for p in paths]
     if param_shapes is not None:  # written by DeepSpeed: one flat partition per group
-        chunks = [list(s["single_partition_of_fp32_groups"]) for s in saved]
+        chunks = [deepspeed_partitions(s) for s in saved]
         layout = deepspeed_layout(param_shapes, [c.numel() for c in chunks[0]], count)
     else:
         layout = saved[0]["strategy"].get("layout")

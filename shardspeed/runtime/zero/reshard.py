@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from shardspeed.utils.zero_to_fp32 import deepspeed_layout
+from shardspeed.utils.zero_to_fp32 import deepspeed_layout, deepspeed_partitions
 
 #: a bucket's layout as saved: ``{"group", "size", "state_index", "params": [[name, offset,
 #: numel], ...]}`` (plain Python, so checkpoints stay readable without shardspeed)
@@ -331,8 +331,8 @@ def shard_from_deepspeed(
     equal partitions: one bucket per group, whose fp32 partition is
     ``single_partition_of_fp32_groups[g]`` and whose optimizer state is the base optimizer's
     state of its one flat parameter ``g``."""
-    partitions = [p.numel() for p in saved["single_partition_of_fp32_groups"]]
-    layout = deepspeed_layout(param_shapes, partitions, count)
+    fp32 = deepspeed_partitions(saved)
+    layout = deepspeed_layout(param_shapes, [p.numel() for p in fp32], count)
     scaler = saved.get("loss_scaler")
     return {
         "optimizer": saved["base_optimizer_state"],
@@ -340,6 +340,6 @@ def shard_from_deepspeed(
         "strategy": {
             "layout": layout,
             "dp_world_size": count,
-            "fp32_chunks": list(saved["single_partition_of_fp32_groups"]),
+            "fp32_chunks": fp32,
         },
     }
