@@ -13,7 +13,10 @@ shard whole.
 Stage 0 fits the same scheme as a one-rank job whose every parameter is a bucket of its own
 (:func:`replicated_layout`): its saved state becomes one shard (:func:`shard_from_replicated`),
 and a stage 0 run gathers stage 1/2 shards through the one-rank layout and reshapes the result
-(:func:`replicated_from_shard`).
+(:func:`replicated_from_shard`). Two more sources fit it: a universal checkpoint folder
+(:func:`shardspeed.checkpoint.ds_to_universal.universal_shard`, again one bucket per parameter)
+and DeepSpeed's own ZeRO 1/2 shards (:func:`shard_from_deepspeed`, one bucket per parameter
+group).
 
 Per-element optimizer state is every 1-D tensor of a bucket's state with the chunk's length
 (Adam's ``exp_avg``/``exp_avg_sq``, Adagrad's sum, ...); anything else (``step``) is the same for
