@@ -4,7 +4,9 @@ A stage 1/2 checkpoint keeps the fp32 master weights split across one optimizer 
 data-parallel rank, each with its bucket layout (which parameter, by name, sits at which offset
 of which flat bucket). Putting a parameter back together is reading its range of the flat bucket
 from the shards that hold it. A stage 0 checkpoint holds the masters whole. Frozen parameters
-and buffers come from the model-states file as saved.
+and buffers come from the model-states file as saved. Checkpoints written by DeepSpeed's ZeRO
+1/2 read the same way (one flat bucket per parameter group, :func:`deepspeed_layout`), also
+without DeepSpeed installed: objects of its classes in the files load as :class:`Foreign`.
 
 This file needs only torch (and safetensors for ``safe_serialization``): ``save_checkpoint``
 copies it into the checkpoint directory, so a checkpoint can be consolidated where shardspeed is
