@@ -28,7 +28,7 @@ import os
 import pickle
 import re
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -135,6 +135,16 @@ def deepspeed_partitions(saved: dict[str, Any]) -> list[torch.Tensor]:
     return list(saved["single_partition_of_fp32_groups"])
 
 
+def chunk_ranges(first: int, last: int, chunk: int) -> Iterator[tuple[int, slice]]:
+    """Elements ``[first, last)`` of a flat bucket split into equal ``chunk``-sized parts, one
+    per rank: ``(rank, slice of that rank's chunk)`` for each part the range touches."""
+    while first < last:
+        owner = first // chunk
+        end = min(last, (owner + 1) * chunk)
+        yield owner, slice(first - owner * chunk, end - owner * chunk)
+        first = end
+
+
 def deepspeed_layout(
     param_shapes: list[dict[str, Any]], partitions: list[int], count: int
 ) -> list[dict[str, Any]]:
@@ -180,11 +190,8 @@ def _stage12_masters(
     def builder(bucket: int, offset: int, numel: int) -> Callable[[], torch.Tensor]:
         def build() -> torch.Tensor:
             size = layout[bucket]["size"] // count
-            pieces, first, last = [], offset, offset + numel
-            while first < last:  # the range spans the chunks of one or more ranks
-                owner, end = first // size, min(last, (first // size + 1) * size)
-                pieces.append(chunks[owner][bucket][first - owner * size : end - owner * size])
-                first = end
+            ranges = chunk_ranges(offset, offset + numel, size)
+            pieces = [chunks[owner][bucket][part] for owner, part in ranges]
             return torch.cat(pieces).float()  # a new tensor, never a view of a shard
 
         return build

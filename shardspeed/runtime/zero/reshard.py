@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from shardspeed.utils.zero_to_fp32 import deepspeed_layout, deepspeed_partitions
+from shardspeed.utils.zero_to_fp32 import chunk_ranges, deepspeed_layout, deepspeed_partitions
 
 #: a bucket's layout as saved: ``{"group", "size", "state_index", "params": [[name, offset,
 #: numel], ...]}`` (plain Python, so checkpoints stay readable without shardspeed)
@@ -169,12 +169,9 @@ class Resharder:
         ``read(rank, bucket)`` (the range may span several ranks' chunks)."""
         source = self.sources[name]
         size = self.old_layout[source.bucket]["size"] // self.old_world
-        first, last = source.offset + start, source.offset + stop  # in the old flat bucket
-        while first < last:
-            owner = first // size
-            end = min(last, (owner + 1) * size)
-            yield read(owner, source.bucket)[first - owner * size : end - owner * size]
-            first = end
+        # the range in the old flat bucket, over the old ranks' chunks
+        for owner, part in chunk_ranges(source.offset + start, source.offset + stop, size):
+            yield read(owner, source.bucket)[part]
 
     def _master_pieces(self, name: str, start: int, stop: int) -> Iterator[torch.Tensor]:
         bucket = self.sources[name].bucket
