@@ -25,8 +25,7 @@ import torch
 
 from shardspeed import comm
 from shardspeed.checkpoint import UNIVERSAL_CHECKPOINT_INFO
-from shardspeed.checkpoint.ds_to_universal import LATEST_UNIVERSAL, universal_shard
-from shardspeed.runtime.zero.reshard import shard_from_deepspeed, shard_from_replicated
+from shardspeed.runtime.zero.shard_sources import LATEST_UNIVERSAL, saved_shards
 from shardspeed.utils import zero_to_fp32
 from shardspeed.utils.logging import log_dist
 from shardspeed.version import __version__
@@ -183,50 +182,13 @@ def _optimizer_state(
     engine: DeepSpeedEngine, folder: Path, state: dict[str, Any]
 ) -> dict[str, Any] | None:
     """This rank's optimizer state for this run's stage, data-parallel size and buckets, from
-    the replicated state in the model file (stage 0) or the shards every rank of the saving job
-    wrote (stages 1/2); either may have been saved under another stage or world size. None if
-    the saving engine had no optimizer."""
+    whatever form the checkpoint holds it in (:mod:`~shardspeed.runtime.zero.shard_sources`),
+    saved under any stage or world size. None if the saving engine had no optimizer."""
     assert engine.optimizer is not None
-    strategy = engine.optimizer.strategy
-    universal = state.get(UNIVERSAL_CHECKPOINT_INFO)
-    if universal is not None:
-        shard = universal_shard(folder, universal)
-        return strategy.sharded_state(lambda _: shard, 1, state["module"])
-    replicated = state.get("optimizer")
-    if replicated is not None:
-        if "strategy" not in replicated:
-            raise ValueError(
-                f"{folder / MODEL_STATES} holds optimizer state in a form shardspeed does not "
-                "read (DeepSpeed without ZeRO, or its fp16 optimizer); DeepSpeed's ZeRO 1/2 "
-                "checkpoints load. Pass load_optimizer_states=False to take the module weights"
-            )
-        if strategy.checkpoint_shard_name() is None:
-            return replicated
-        return strategy.sharded_state(
-            lambda _: shard_from_replicated(replicated), 1, state["module"]
-        )
-    deepspeed_shards = "param_shapes" in state  # written by DeepSpeed's ZeRO 1/2
-    if not state.get("zero_stage") and not deepspeed_shards:
-        return None  # stage 0 with nothing in "optimizer": none was saved
-    count = int(state["dp_world_size"])
-    paths = zero_to_fp32.shard_paths(folder, count)
-
-    def read(rank: int) -> dict[str, Any]:
-        # read when first needed (a rank keeping its layout needs only its own), memory-mapped
-        # (a rank reads only the pieces it re-partitions)
-        if not paths[rank].is_file():
-            missing = [str(p) for p in paths if not p.is_file()]
-            raise FileNotFoundError(
-                f"ZeRO optimizer shards missing from the checkpoint: {missing[:4]}; every rank "
-                "of the saving job writes one, so copy the whole tag directory, or pass "
-                "load_optimizer_states=False to take the module weights only"
-            )
-        saved = zero_to_fp32.load_file(paths[rank])["optimizer_state_dict"]
-        if deepspeed_shards:
-            return shard_from_deepspeed(saved, state["param_shapes"], count)
-        return saved
-
-    return strategy.sharded_state(read, count, state["module"])
+    shards = saved_shards(folder, state)
+    if shards is None:
+        return None
+    return engine.optimizer.strategy.sharded_state(*shards, state["module"])
 
 
 def _agree_on(engine: DeepSpeedEngine, failure: Exception | None, what: str) -> None:
@@ -281,7 +243,7 @@ def load(
             f"checkpoint file {path} does not exist; check load_dir and tag (tags present: "
             f"{sorted(p.name for p in Path(load_dir).iterdir() if p.is_dir()) if Path(load_dir).is_dir() else 'none'})"
         )
-    # not memory-mapped: stage 0's optimizer state loads from here without a copy
+    # not memory-mapped: the client state handed back to the caller stays ordinary memory
     state = zero_to_fp32.load_file(path, mmap=False)
     engine.load_module_state_dict(state, strict=load_module_strict, custom_load_fn=custom_load_fn)
     saved, failure = None, None
@@ -315,6 +277,7 @@ def load(
         "ds_config",
         "ds_version",
         *_COUNTERS,
+        UNIVERSAL_CHECKPOINT_INFO,
         # what DeepSpeed's model files add
         *_DEEPSPEED_KEYS,
     }

@@ -11,12 +11,10 @@ bucket, which spans one or more old ranks' chunks. Shards are opened memory-mapp
 shard whole.
 
 Stage 0 fits the same scheme as a one-rank job whose every parameter is a bucket of its own
-(:func:`replicated_layout`): its saved state becomes one shard (:func:`shard_from_replicated`),
-and a stage 0 run gathers stage 1/2 shards through the one-rank layout and reshapes the result
-(:func:`replicated_from_shard`). Two more sources fit it: a universal checkpoint folder
-(:func:`shardspeed.checkpoint.ds_to_universal.universal_shard`, again one bucket per parameter)
-and DeepSpeed's own ZeRO 1/2 shards (:func:`shard_from_deepspeed`, one bucket per parameter
-group).
+(:func:`replicated_layout`), and a stage 0 run gathers shards through that one-rank layout and
+reshapes the result (:func:`replicated_from_shard`). Every saved form (stage 0's whole state,
+universal folders, DeepSpeed's own shards) is turned into shards of this form by
+:mod:`~shardspeed.runtime.zero.shard_sources`.
 
 Per-element optimizer state is every 1-D tensor of a bucket's state with the chunk's length
 (Adam's ``exp_avg``/``exp_avg_sq``, Adagrad's sum, ...); anything else (``step``) is the same for
@@ -32,7 +30,7 @@ from typing import Any
 
 import torch
 
-from shardspeed.utils.zero_to_fp32 import chunk_ranges, deepspeed_layout, deepspeed_partitions
+from shardspeed.utils.zero_to_fp32 import chunk_ranges
 
 #: a bucket's layout as saved: ``{"group", "size", "state_index", "params": [[name, offset,
 #: numel], ...]}`` (plain Python, so checkpoints stay readable without shardspeed)
@@ -238,6 +236,11 @@ class Resharder:
 
 
 # -- stage 0: the optimizer state whole, one "bucket" per parameter ------------------------------
+def param_bucket(group: int, state_index: int, name: str, numel: int) -> BucketLayout:
+    """A bucket holding one whole parameter (stage 0's layout, universal checkpoints)."""
+    return {"group": group, "size": numel, "state_index": state_index, "params": [[name, 0, numel]]}
+
+
 def replicated_layout(
     param_groups: list[dict[str, Any]], name_of: Callable[[torch.Tensor], str | None]
 ) -> list[BucketLayout]:
@@ -249,46 +252,9 @@ def replicated_layout(
         for tensor in group["params"]:
             name = name_of(tensor)
             if name is not None:
-                numel = tensor.numel()
-                layout.append(
-                    {
-                        "group": group_index,
-                        "size": numel,
-                        "state_index": index,
-                        "params": [[name, 0, numel]],
-                    }
-                )
+                layout.append(param_bucket(group_index, index, name, tensor.numel()))
             index += 1
     return layout
-
-
-def shard_from_replicated(saved: dict[str, Any]) -> dict[str, Any]:
-    """A stage 0 checkpoint's optimizer-wrapper state as the one shard of a one-rank job: state
-    tensors flattened, masters the saved fp32 copies (None in fp32 training: the module weights
-    are the masters, as in a stage 1/2 shard)."""
-    strategy = saved["strategy"]
-    layout = strategy.get("layout")
-    if layout is None:
-        raise ValueError("this stage 0 checkpoint carries no layout (saved by an older shardspeed)")
-    saved_masters = strategy.get("fp32_masters")
-    masters = {}
-    if saved_masters is not None:
-        masters = dict(zip(strategy["master_names"], saved_masters, strict=True))
-    chunks = [
-        masters[name].float().reshape(-1) if name in masters else None
-        for ((name, _, _),) in (bucket["params"] for bucket in layout)
-    ]
-    states = {
-        index: {
-            k: v.reshape(-1) if torch.is_tensor(v) and v.dim() > 0 else v for k, v in state.items()
-        }
-        for index, state in saved["optimizer"]["state"].items()
-    }
-    return {
-        "optimizer": {"state": states, "param_groups": saved["optimizer"]["param_groups"]},
-        "loss_scaler": saved["loss_scaler"],
-        "strategy": {**strategy, "dp_world_size": 1, "fp32_chunks": chunks},
-    }
 
 
 def replicated_from_shard(
@@ -319,27 +285,3 @@ def replicated_from_shard(
         for bucket, chunk in zip(layout, state["strategy"]["fp32_chunks"], strict=True)
     ]
     return {"state": per_index, "param_groups": groups}, masters
-
-
-# -- DeepSpeed's own ZeRO 1/2 checkpoints --------------------------------------------------------
-def shard_from_deepspeed(
-    saved: dict[str, Any], param_shapes: list[dict[str, Any]], count: int
-) -> dict[str, Any]:
-    """One rank's ``optimizer_state_dict`` from a DeepSpeed ZeRO 1/2 checkpoint, as a shard of
-    this module's form. DeepSpeed flattens each parameter group's parameters in the order of the
-    model file's ``param_shapes`` (padding at the end) and splits the flat group into ``count``
-    equal partitions: one bucket per group, whose fp32 partition is
-    ``single_partition_of_fp32_groups[g]`` and whose optimizer state is the base optimizer's
-    state of its one flat parameter ``g``."""
-    fp32 = deepspeed_partitions(saved)
-    layout = deepspeed_layout(param_shapes, [p.numel() for p in fp32], count)
-    scaler = saved.get("loss_scaler")
-    return {
-        "optimizer": saved["base_optimizer_state"],
-        "loss_scaler": dict(vars(scaler)) if scaler is not None else {"cur_scale": 1.0},
-        "strategy": {
-            "layout": layout,
-            "dp_world_size": count,
-            "fp32_chunks": fp32,
-        },
-    }

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from shardspeed.checkpoint.ds_to_universal import convert
 from shardspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint, load_file
 from tests.runtime.parity import make_task, rank_rows
 from tests.runtime.zero.ranks import _engine, _precision
@@ -104,3 +105,13 @@ def test_zero_to_fp32_consolidates_a_deepspeed_checkpoint(fixture):
     for name, value in masters.items():
         assert torch.equal(state[name], value), name
     assert torch.equal(state["lm_head.weight"], state["wte.weight"])  # tied, saved under both
+
+
+def test_deepspeed_checkpoint_converts_to_universal(tmp_path):
+    """ds_to_universal reads DeepSpeed's shards through the same sources as load_checkpoint."""
+    out = convert(FIXTURE / "ds", tmp_path / "ds_universal")
+    expected = torch.load(FIXTURE / "expected_state.pt", weights_only=True)
+    for name in ("wte.weight", "blocks.1.mlp.2.bias"):
+        for key, saved in (("fp32", name), ("exp_avg_sq", f"{name}:exp_avg_sq")):
+            value = torch.load(out / "zero" / name / f"{key}.pt", weights_only=True)["param"]
+            assert torch.equal(value, expected[saved]), (name, key)

@@ -1,0 +1,151 @@
+"""Every saved form of optimizer state, as the per-rank shards the re-partitioner reads.
+
+:class:`~shardspeed.runtime.zero.reshard.Resharder` reads shards in one form: a bucket layout,
+fp32 chunks and flat per-element optimizer state per rank. A checkpoint tag holds its optimizer
+state in one of four forms, and :func:`saved_shards` finds which and hands back a reader:
+
+- shardspeed's stage 1/2 shards (``zero_pp_rank_*``), already in that form;
+- stage 0's whole state in the model file: one shard of a one-rank job whose every parameter is
+  a bucket of its own (:func:`shard_from_replicated`);
+- a universal folder (:mod:`shardspeed.checkpoint.ds_to_universal`): each parameter whole under
+  ``zero/<name>/``, again one bucket per parameter (:func:`universal_shard`);
+- DeepSpeed's own ZeRO 1/2 shards (``zero_pp_rank_*`` or, with bf16, ``bf16_zero_pp_rank_*``):
+  one bucket per parameter group (:func:`shard_from_deepspeed`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardspeed.checkpoint import UNIVERSAL_CHECKPOINT_INFO
+from shardspeed.runtime.zero.reshard import param_bucket
+from shardspeed.utils.zero_to_fp32 import (
+    MODEL_STATES,
+    deepspeed_layout,
+    deepspeed_partitions,
+    load_file,
+    shard_paths,
+)
+
+#: the file beside a checkpoint naming the newest universal tag
+LATEST_UNIVERSAL = "latest_universal"
+#: a universal parameter folder's file of fp32 weights (the others are named by state key)
+UNIVERSAL_MASTER = "fp32"
+
+ShardReader = Callable[[int], dict[str, Any]]
+
+
+def saved_shards(folder: Path, model_state: dict[str, Any]) -> tuple[ShardReader, int] | None:
+    """(reader of rank ``r``'s shard, number of shards) for the optimizer state of the checkpoint
+    tag ``folder`` whose model-states file holds ``model_state``; None if none was saved."""
+    universal = model_state.get(UNIVERSAL_CHECKPOINT_INFO)
+    if universal is not None:
+        shard = universal_shard(folder, universal)
+        return (lambda _: shard), 1
+    replicated = model_state.get("optimizer")
+    if replicated is not None:
+        if "strategy" not in replicated:
+            raise ValueError(
+                f"{folder / MODEL_STATES} holds optimizer state in a form shardspeed does not "
+                "read (DeepSpeed without ZeRO, or its fp16 optimizer); DeepSpeed's ZeRO 1/2 "
+                "checkpoints load. Pass load_optimizer_states=False to take the module weights"
+            )
+        shard = shard_from_replicated(replicated)
+        return (lambda _: shard), 1
+    deepspeed = "param_shapes" in model_state  # written by DeepSpeed's ZeRO 1/2
+    if not model_state.get("zero_stage") and not deepspeed:
+        return None  # stage 0 with nothing in "optimizer": none was saved
+    count = int(model_state["dp_world_size"])
+    paths = shard_paths(folder, count)
+
+    def read(rank: int) -> dict[str, Any]:
+        # read when first needed (a rank keeping its layout needs only its own), memory-mapped
+        # (a rank reads only the pieces it re-partitions)
+        if not paths[rank].is_file():
+            missing = [str(p) for p in paths if not p.is_file()]
+            raise FileNotFoundError(
+                f"ZeRO optimizer shards missing from the checkpoint: {missing[:4]}; every rank "
+                "of the saving job writes one, so copy the whole tag directory, or pass "
+                "load_optimizer_states=False to take the module weights only"
+            )
+        saved = load_file(paths[rank])["optimizer_state_dict"]
+        return (
+            shard_from_deepspeed(saved, model_state["param_shapes"], count) if deepspeed else saved
+        )
+
+    return read, count
+
+
+def _flattened(state: dict[str, Any]) -> dict[str, Any]:
+    """A parameter's optimizer state with every tensor of one or more dimensions made flat."""
+    return {k: v.reshape(-1) if torch.is_tensor(v) and v.dim() > 0 else v for k, v in state.items()}
+
+
+def shard_from_replicated(saved: dict[str, Any]) -> dict[str, Any]:
+    """A stage 0 checkpoint's optimizer-wrapper state as the one shard of a one-rank job: state
+    tensors flattened, masters the saved fp32 copies (None in fp32 training: the module weights
+    are the masters, as in a stage 1/2 shard)."""
+    strategy = saved["strategy"]
+    layout = strategy.get("layout")
+    if layout is None:
+        raise ValueError("this stage 0 checkpoint carries no layout (saved by an older shardspeed)")
+    saved_masters = strategy.get("fp32_masters")
+    masters = {}
+    if saved_masters is not None:
+        masters = dict(zip(strategy["master_names"], saved_masters, strict=True))
+    chunks = [
+        masters[name].float().reshape(-1) if name in masters else None
+        for ((name, _, _),) in (bucket["params"] for bucket in layout)
+    ]
+    states = {index: _flattened(state) for index, state in saved["optimizer"]["state"].items()}
+    return {
+        "optimizer": {"state": states, "param_groups": saved["optimizer"]["param_groups"]},
+        "loss_scaler": saved["loss_scaler"],
+        "strategy": {**strategy, "dp_world_size": 1, "fp32_chunks": chunks},
+    }
+
+
+def universal_shard(folder: Path, info: dict[str, Any]) -> dict[str, Any]:
+    """A universal folder as the one shard of a one-rank job."""
+    layout, chunks, states = [], [], {}
+    for index, (name, group) in enumerate(info["group_of"].items()):
+        files = sorted((folder / "zero" / name).glob("*.pt"))
+        if not files:
+            raise FileNotFoundError(f"{folder / 'zero' / name} holds no parameter files")
+        values = {f.stem: load_file(f)["param"] for f in files}
+        master = values.pop(UNIVERSAL_MASTER).reshape(-1)
+        layout.append(param_bucket(group, index, name, master.numel()))
+        chunks.append(master)
+        states[index] = _flattened(values)
+    return {
+        "optimizer": {"state": states, "param_groups": info["param_groups"]},
+        "loss_scaler": info["loss_scaler"],
+        "strategy": {"layout": layout, "fp32_chunks": chunks, "dp_world_size": 1},
+    }
+
+
+def shard_from_deepspeed(
+    saved: dict[str, Any], param_shapes: list[dict[str, Any]], count: int
+) -> dict[str, Any]:
+    """One rank's ``optimizer_state_dict`` from a DeepSpeed ZeRO 1/2 checkpoint, as a shard of
+    the re-partitioner's form. DeepSpeed flattens each parameter group's parameters in the order of the
+    model file's ``param_shapes`` (padding at the end) and splits the flat group into ``count``
+    equal partitions: one bucket per group, whose fp32 partition is
+    ``single_partition_of_fp32_groups[g]`` and whose optimizer state is the base optimizer's
+    state of its one flat parameter ``g``."""
+    fp32 = deepspeed_partitions(saved)
+    layout = deepspeed_layout(param_shapes, [p.numel() for p in fp32], count)
+    scaler = saved.get("loss_scaler")
+    return {
+        "optimizer": saved["base_optimizer_state"],
+        "loss_scaler": dict(vars(scaler)) if scaler is not None else {"cur_scale": 1.0},
+        "strategy": {
+            "layout": layout,
+            "dp_world_size": count,
+            "fp32_chunks": fp32,
+        },
+    }
