@@ -390,7 +390,8 @@ class PartitionedStrategy(ZeroStrategy):
             )
         with torch.no_grad():
             for master, value in zip(self.master_chunks, saved, strict=True):
-                master.copy_(value)
+                if value is not None:  # None: the master is the parameter chunk itself
+                    master.copy_(value)
         self._gather_params()
 
     def destroy(self) -> None:

@@ -270,6 +270,22 @@ def test_tag_validation_and_missing_latest_universal(dist_pool, tmp_path):
     assert not (tmp_path / "fail0").exists() and (tmp_path / "same-Fail").is_dir()
 
 
+def optimizer_state_round_trip(stage: int) -> None:
+    """The optimizer's own state_dict loads back into it (fp32: masters saved as None)."""
+    engine, task, gas = _build(stage, 3000, seed=0)
+    _train(engine, task, range(1), gas)
+    before = _full_state(engine)
+    engine.optimizer.load_state_dict(engine.optimizer.state_dict())
+    after = _full_state(engine)
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    engine.destroy()
+
+
+@pytest.mark.parametrize("stage", [1, 2], ids=["stage1", "stage2"])
+def test_optimizer_state_dict_round_trip(dist_pool, stage):
+    dist_pool(2).run(optimizer_state_round_trip, stage)
+
+
 def test_refusals(dist_pool, tmp_path):
     dist_pool(2).run(refusals, str(tmp_path))
 
