@@ -214,7 +214,7 @@ class PartitionedStrategy(ZeroStrategy):
         """``ignore_unused_parameters: false``: stop, on every rank, if any rank trained a
         parameter that got no gradient in the whole accumulation window (checked after the
         reductions, so no rank is left inside a collective)."""
-        names = {id(p): name for name, p in self.module.named_parameters()}
+        names = self.param_names()
         unused = [names.get(id(p), str(tuple(p.shape))) for p in self.buckets.unused_params()]
         device = self.master_chunks[0].device if self.master_chunks else None
         count = torch.tensor([float(len(unused))], device=device)
@@ -327,7 +327,7 @@ class PartitionedStrategy(ZeroStrategy):
     def bucket_layout(self) -> list[BucketLayout]:
         """Which parameter (by name) sits where in which bucket: saved with every shard, so the
         checkpoint can be re-partitioned (:mod:`~shardspeed.runtime.zero.reshard`)."""
-        names = {id(p): name for name, p in self.module.named_parameters()}
+        names = self.param_names()
         stepped = [p for group in self.optimizer.param_groups for p in group["params"]]
         index = {id(p): i for i, p in enumerate(stepped)}  # torch's state_dict numbering
         return [

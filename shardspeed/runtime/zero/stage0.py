@@ -197,7 +197,7 @@ class ReplicatedStrategy(ZeroStrategy):
 
     # -- state ----------------------------------------------------------------------------
     def _master_names(self) -> list[str]:
-        names = {id(p): name for name, p in self.module.named_parameters()}
+        names = self.param_names()
         return [names[id(p)] for p in self.masters.model_params]
 
     def bucket_layout(self) -> list[BucketLayout]:

@@ -165,6 +165,11 @@ class ZeroStrategy(ABC):
         ``module_state``, whatever stage, world size and buckets saved it."""
         raise NotImplementedError(f"ZeRO stage {self.stage} keeps no optimizer shards")
 
+    def param_names(self) -> dict[int, str]:
+        """Each module parameter's name, by ``id`` (a tied parameter under its first name): how
+        checkpoint layouts and error messages name parameters."""
+        return {id(p): name for name, p in self.module.named_parameters()}
+
     def master_params(self) -> list[torch.Tensor]:
         """The tensors the wrapped optimizer updates (for state inspection and checkpoints)."""
         return [p for group in self.optimizer.param_groups for p in group["params"]]
