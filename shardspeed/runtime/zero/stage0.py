@@ -221,7 +221,8 @@ class ReplicatedStrategy(ZeroStrategy):
         count: int,
         module_state: dict[str, torch.Tensor],
     ) -> dict[str, Any]:
-        """Gather a stage 1/2 checkpoint's shards into this replicated optimizer's state."""
+        """Gather a checkpoint's shards (of any stage, world size or source) into this
+        replicated optimizer's state."""
         layout = self.bucket_layout()
         resharder = Resharder(load_shard, count, module_state)
         state = resharder.state_for(layout, 1, 0, self.optimizer.param_groups)
