@@ -1,4 +1,24 @@
-"""Checkpoint helpers DeepSpeed documents under ``deepspeed.checkpoint``."""
+"""Everything about checkpoints on disk (DeepSpeed documents this package as
+``deepspeed.checkpoint``).
 
-#: the model-states key a universal checkpoint (:mod:`.ds_to_universal`) adds
-UNIVERSAL_CHECKPOINT_INFO = "universal_checkpoint_info"
+- :mod:`.files`: file and folder names of a checkpoint, finding a tag;
+- :mod:`.reader`: :func:`~.reader.load_file`, through which every checkpoint file is read;
+- :mod:`.layout`: the typed, versioned layout of saved optimizer state (which parameter sits
+  where in which flat bucket);
+- :mod:`.sources`: every saved form of optimizer state (shardspeed's stages 0-2, universal
+  folders, DeepSpeed's ZeRO 1/2) as per-rank shards;
+- :mod:`.reshard`: re-partitioning those shards for another data-parallel size, bucket layout
+  or stage;
+- :mod:`.consolidate`: one fp32 ``state_dict`` from a checkpoint (``zero_to_fp32``, also at
+  DeepSpeed's path :mod:`shardspeed.utils.zero_to_fp32`);
+- :mod:`.standalone`: the torch-only ``zero_to_fp32.py`` written beside every checkpoint;
+- :mod:`.ds_to_universal`: conversion to the universal form, each parameter whole;
+- :mod:`.utils`: ``clone_tensors_for_torch_save``.
+
+Layer 2: nothing here imports ``shardspeed.runtime``; the ZeRO strategies and the checkpointer
+use it.
+"""
+
+from shardspeed.checkpoint.files import UNIVERSAL_CHECKPOINT_INFO
+
+__all__ = ["UNIVERSAL_CHECKPOINT_INFO"]

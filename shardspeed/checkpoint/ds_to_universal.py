@@ -22,10 +22,16 @@ from pathlib import Path
 
 import torch
 
-from shardspeed.checkpoint import UNIVERSAL_CHECKPOINT_INFO
-from shardspeed.runtime.zero.reshard import Resharder, param_bucket, replicated_from_shard
-from shardspeed.runtime.zero.shard_sources import LATEST_UNIVERSAL, UNIVERSAL_MASTER, saved_shards
-from shardspeed.utils.zero_to_fp32 import MODEL_STATES, load_file
+from shardspeed.checkpoint.files import (
+    LATEST_UNIVERSAL,
+    MODEL_STATES,
+    UNIVERSAL_CHECKPOINT_INFO,
+    UNIVERSAL_MASTER,
+)
+from shardspeed.checkpoint.layout import param_bucket
+from shardspeed.checkpoint.reader import load_file
+from shardspeed.checkpoint.reshard import Resharder, replicated_from_shard
+from shardspeed.checkpoint.sources import saved_shards
 
 
 def convert(input_folder: str | Path, output_folder: str | Path) -> Path:

@@ -7,8 +7,8 @@ optimizer state (stages 1 and 2) every data-parallel rank also writes its own sh
 strategy (``zero_pp_rank_{r}_mp_rank_00_optim_states.pt``), and the model file holds no optimizer
 state. Optimizer state carries its layout (parameter names and where each sits), so a job with
 another data-parallel size, bucket size or ZeRO stage (0, 1 or 2) resumes from it: each rank
-rebuilds its own partition (:mod:`~shardspeed.runtime.zero.reshard`). ``zero_to_fp32.py`` is
-copied beside the checkpoint to consolidate it without shardspeed. Files are written to a
+rebuilds its own partition (:mod:`~shardspeed.checkpoint.reshard`). ``zero_to_fp32.py`` is
+written beside the checkpoint to consolidate it without shardspeed. Files are written to a
 temporary name and renamed, so an interrupted save never leaves a truncated checkpoint behind.
 """
 
@@ -17,16 +17,22 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from shardspeed import comm
-from shardspeed.checkpoint import UNIVERSAL_CHECKPOINT_INFO
-from shardspeed.runtime.zero.shard_sources import LATEST_UNIVERSAL, saved_shards
-from shardspeed.utils import zero_to_fp32
+from shardspeed.checkpoint.files import (
+    LATEST_FILE,
+    MODEL_STATES,
+    UNIVERSAL_CHECKPOINT_INFO,
+    resolve_tag,
+)
+from shardspeed.checkpoint.reader import load_file
+from shardspeed.checkpoint.sources import saved_shards
+from shardspeed.checkpoint.standalone import write_script
+from shardspeed.runtime.train_state import COUNTERS
 from shardspeed.utils.logging import log_dist
 from shardspeed.version import __version__
 
@@ -34,9 +40,6 @@ if TYPE_CHECKING:
     from shardspeed.config import DeepSpeedConfig
     from shardspeed.runtime.engine import DeepSpeedEngine
 
-LATEST_FILE = "latest"
-MODEL_STATES = zero_to_fp32.MODEL_STATES
-_COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
 _DEEPSPEED_KEYS = (
     "param_shapes",
     "frozen_param_shapes",
@@ -102,7 +105,7 @@ def save(
     _agree_on(engine, failure, f"write checkpoint {folder}")
     # ``latest`` moves to the new tag only once every rank's files are in place
     if writes_shared:
-        shutil.copyfile(zero_to_fp32.__file__, Path(save_dir) / "zero_to_fp32.py")
+        write_script(save_dir)
         if save_latest:
             latest = Path(save_dir) / LATEST_FILE
             latest.with_name(LATEST_FILE + ".tmp").write_text(tag)
@@ -135,7 +138,9 @@ def _write_files(
         return
     folder.mkdir(parents=True, exist_ok=True)
     state: dict[str, Any] = {
-        "module": engine.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters),
+        "module": engine.strategy.full_state_dict(
+            exclude_frozen_parameters=exclude_frozen_parameters
+        ),
         "optimizer": None if shard is not None else optimizer_state,
         "lr_scheduler": engine.lr_scheduler.state_dict()
         if engine.lr_scheduler is not None
@@ -145,7 +150,7 @@ def _write_files(
         "zero_stage": engine.zero_optimization_stage(),
         "ds_config": engine.config.raw,
         "ds_version": __version__,
-        **{name: getattr(engine, name) for name in _COUNTERS},
+        **engine.state.state_dict(),
         **client_state,
     }
     _atomic_save(state, folder / MODEL_STATES, zip_format)
@@ -175,20 +180,20 @@ def _validate_tag(engine: DeepSpeedEngine, tag: str) -> None:
 
 def _optimizer_shard_name(engine: DeepSpeedEngine) -> str | None:
     """This rank's optimizer shard file name, or None when the optimizer state is replicated."""
-    return None if engine.optimizer is None else engine.optimizer.strategy.checkpoint_shard_name()
+    return None if engine.optimizer is None else engine.strategy.checkpoint_shard_name()
 
 
 def _optimizer_state(
     engine: DeepSpeedEngine, folder: Path, state: dict[str, Any]
 ) -> dict[str, Any] | None:
     """This rank's optimizer state for this run's stage, data-parallel size and buckets, from
-    whatever form the checkpoint holds it in (:mod:`~shardspeed.runtime.zero.shard_sources`),
+    whatever form the checkpoint holds it in (:mod:`~shardspeed.checkpoint.sources`),
     saved under any stage or world size. None if the saving engine had no optimizer."""
     assert engine.optimizer is not None
     shards = saved_shards(folder, state)
     if shards is None:
         return None
-    return engine.optimizer.strategy.sharded_state(*shards, state["module"])
+    return engine.strategy.sharded_state(*shards, state["module"])
 
 
 def _agree_on(engine: DeepSpeedEngine, failure: Exception | None, what: str) -> None:
@@ -203,24 +208,6 @@ def _agree_on(engine: DeepSpeedEngine, failure: Exception | None, what: str) -> 
             )
     if failure is not None:
         raise failure
-
-
-def resolve_tag(load_dir: str, tag: str | None, universal: bool = False) -> str | None:
-    """The tag to load: the one given, else the one named in ``latest`` (None if absent), or
-    with ``universal`` (``checkpoint.load_universal``) in ``latest_universal`` (which must
-    exist, as DeepSpeed requires)."""
-    if tag is not None:
-        return str(tag)
-    if universal:
-        latest = Path(load_dir) / LATEST_UNIVERSAL
-        if not latest.is_file():
-            raise ValueError(
-                f"checkpoint.load_universal is set but {latest} does not exist: convert the "
-                "checkpoint with python -m shardspeed.checkpoint.ds_to_universal, or pass tag="
-            )
-        return latest.read_text().strip()
-    latest = Path(load_dir) / LATEST_FILE
-    return latest.read_text().strip() if latest.is_file() else None
 
 
 def load(
@@ -244,8 +231,10 @@ def load(
             f"{sorted(p.name for p in Path(load_dir).iterdir() if p.is_dir()) if Path(load_dir).is_dir() else 'none'})"
         )
     # not memory-mapped: the client state handed back to the caller stays ordinary memory
-    state = zero_to_fp32.load_file(path, mmap=False)
-    engine.load_module_state_dict(state, strict=load_module_strict, custom_load_fn=custom_load_fn)
+    state = load_file(path, mmap=False)
+    engine.strategy.load_full_state_dict(
+        state.get("module", state), load_module_strict, custom_load_fn
+    )
     saved, failure = None, None
     if load_optimizer_states and engine.optimizer is not None:
         try:
@@ -261,12 +250,10 @@ def load(
     ):
         # no optimizer state loaded, or zero_optimization.load_from_fp32_weights=false: the
         # master weights follow the (possibly 16-bit) module weights just loaded
-        engine.optimizer.strategy.load_state_dict({})
+        engine.strategy.load_state_dict({})
     if load_lr_scheduler_states and engine.lr_scheduler is not None and state.get("lr_scheduler"):
         engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
-    for name in _COUNTERS:
-        if name in state:
-            setattr(engine, name, state[name])
+    engine.state.load_state_dict(state)
     reserved = {
         "module",
         "optimizer",
@@ -276,7 +263,7 @@ def load(
         "zero_stage",
         "ds_config",
         "ds_version",
-        *_COUNTERS,
+        *COUNTERS,
         UNIVERSAL_CHECKPOINT_INFO,
         # what DeepSpeed's model files add
         *_DEEPSPEED_KEYS,
@@ -290,7 +277,9 @@ def save_module_weights(
 ) -> bool:
     if engine.global_rank == 0:
         Path(save_dir).mkdir(parents=True, exist_ok=True)
-        weights = engine.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
+        weights = engine.strategy.full_state_dict(
+            exclude_frozen_parameters=exclude_frozen_parameters
+        )
         _atomic_save(
             {k: v.detach().cpu() for k, v in weights.items()}, Path(save_dir) / save_filename
         )

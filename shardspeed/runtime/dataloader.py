@@ -74,3 +74,33 @@ class DeepSpeedDataLoader:
         if self.tput_timer is not None:
             self.tput_timer.start()
         return next(self._iter)
+
+
+def build_dataloader(
+    dataset: Dataset,
+    config: Any,
+    dp_world_size: int,
+    dp_rank: int,
+    *,
+    batch_size: int | None = None,
+    pin_memory: bool = True,
+    data_sampler: Sampler | None = None,
+    collate_fn: Callable[..., Any] | None = None,
+    num_local_io_workers: int | None = None,
+) -> DeepSpeedDataLoader:
+    """A loader of data-parallel rank ``dp_rank``'s shard of ``dataset`` in micro-batches of
+    ``batch_size`` (default: the config's micro-batch)."""
+    from shardspeed import comm  # the loader itself needs no communication
+
+    return DeepSpeedDataLoader(
+        dataset,
+        batch_size=batch_size or config.train_micro_batch_size_per_gpu,
+        pin_memory=pin_memory,
+        local_rank=comm.get_local_rank(),
+        collate_fn=collate_fn,
+        num_local_io_workers=num_local_io_workers,
+        data_sampler=data_sampler,
+        data_parallel_world_size=dp_world_size,
+        data_parallel_rank=dp_rank,
+        dataloader_drop_last=bool(config.dataloader_drop_last),
+    )

@@ -1,9 +1,12 @@
 """The training engine: forward, backward, step, and the checkpoint verbs.
 
-The engine owns the micro-step counter and composes its parts through their interfaces: a
-:class:`~shardspeed.runtime.zero.strategy.ZeroStrategy` (how state is split across ranks), a
-:class:`~shardspeed.runtime.zero.optimizer.ZeroOptimizer` (loss scaling, overflow, clipping), an
-LR scheduler and a data loader. It never branches on the ZeRO stage.
+The engine owns nothing it builds: :func:`shardspeed.initialize` assembles its parts
+(:class:`~shardspeed.runtime.engine_parts.EngineParts`) and the engine composes them through
+their interfaces: a :class:`~shardspeed.runtime.zero.strategy.ZeroStrategy` (how state is split
+across ranks, always present), a :class:`~shardspeed.runtime.zero.optimizer.ZeroOptimizer`
+(loss scaling, overflow, clipping; absent without an optimizer), an LR scheduler, a data loader,
+the step counters (:class:`~shardspeed.runtime.train_state.TrainState`) and the observability
+hooks. It never branches on the ZeRO stage.
 """
 
 from __future__ import annotations
@@ -15,19 +18,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardspeed import comm
-from shardspeed.accelerator import get_accelerator
 from shardspeed.config import DeepSpeedConfig
 from shardspeed.runtime import checkpointer
-from shardspeed.runtime.dataloader import DeepSpeedDataLoader
-from shardspeed.runtime.engine_monitoring import EngineObservability
-from shardspeed.runtime.optimizer_setup import build_basic_optimizer, build_lr_scheduler
-from shardspeed.runtime.precision.loss_scaler import loss_scaler_for_policy
-from shardspeed.runtime.precision.policy import PrecisionPolicy
-from shardspeed.runtime.torch_autocast import autocast_if_enabled
+from shardspeed.runtime.dataloader import DeepSpeedDataLoader, build_dataloader
+from shardspeed.runtime.engine_parts import EngineParts
+from shardspeed.runtime.precision.autocast import autocast_if_enabled
 from shardspeed.runtime.zero.optimizer import ZeroOptimizer
-from shardspeed.runtime.zero.registry import build_strategy
-from shardspeed.runtime.zero.strategy import GradReduceOptions, StrategyContext
 from shardspeed.utils.logging import log_dist
 from shardspeed.utils.timer import (
     BACKWARD_INNER_GLOBAL_TIMER,
@@ -39,120 +35,88 @@ ROUTE_TRAIN = "train"
 ROUTE_EVAL = "eval"
 
 
+def _counter(name: str) -> property:
+    """An engine attribute that is the :class:`TrainState` counter ``name`` (DeepSpeed's
+    ``engine.global_steps`` and friends, readable and settable)."""
+
+    def get(engine: DeepSpeedEngine) -> int:
+        return int(getattr(engine.state, name))
+
+    def set_(engine: DeepSpeedEngine, value: int) -> None:
+        setattr(engine.state, name, value)
+
+    return property(get, set_, doc=f"The step counter ``{name}``.")
+
+
+class _NoOptimizer:
+    """Stands in for the optimizer wrapper of an engine built without an optimizer: queries
+    answer "nothing", the verbs that need an optimizer say so."""
+
+    param_groups: list[dict[str, Any]] = []
+    loss_scale = 1.0
+    global_grad_norm: float | None = None
+
+    @staticmethod
+    def require(verb: str) -> None:
+        raise RuntimeError(
+            f"engine.{verb} needs an optimizer: pass optimizer= to initialize() or add an "
+            "'optimizer' section to the config"
+        )
+
+    @staticmethod
+    def scale_loss(loss: torch.Tensor) -> torch.Tensor:
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        del set_to_none
+
+    def step(self) -> bool:
+        self.require("step()")
+        return False
+
+
 class DeepSpeedEngine(nn.Module):
     """Wraps a model for distributed training; returned by :func:`shardspeed.initialize`."""
 
-    def __init__(
-        self,
-        args: Any,
-        model: nn.Module,
-        optimizer: Any = None,
-        model_parameters: Any = None,
-        training_data: Any = None,
-        lr_scheduler: Any = None,
-        mpu: Any = None,
-        dist_init_required: bool | None = None,
-        collate_fn: Any = None,
-        config: Any = None,
-        config_class: DeepSpeedConfig | None = None,
-        mesh_device: Any = None,
-        dont_change_device: bool = False,
-    ) -> None:
+    global_steps = _counter("global_steps")
+    global_samples = _counter("global_samples")
+    skipped_steps = _counter("skipped_steps")
+    micro_steps = _counter("micro_steps")
+
+    def __init__(self, parts: EngineParts) -> None:
+        if not isinstance(parts, EngineParts):
+            raise TypeError(
+                "DeepSpeedEngine is built by shardspeed.initialize(model=..., config=...); "
+                "call that instead of constructing the engine directly"
+            )
         super().__init__()
-        del dist_init_required, mesh_device  # initialize() already set up the process group
-        self.args = args
-        self.mpu = mpu
-        self.collate_fn = collate_fn
-        self._config = config_class if config_class is not None else DeepSpeedConfig(config)
-        checkpointer.check_config(self._config)
-        self.module = model
-        self.micro_steps = 0
-        #: ``micro_steps`` when the current accumulation window opened (a loaded checkpoint
-        #: opens a new one: it holds no partly accumulated gradients, and may have been saved
-        #: with another gradient_accumulation_steps)
-        self._window_start = 0
-        self.global_steps = 0
-        self.global_samples = 0
-        self.skipped_steps = 0
-        self._step_applied = False
+        self.module = parts.module
+        self._config = parts.config
+        self.args, self.mpu, self.collate_fn = parts.args, parts.mpu, parts.collate_fn
+        self.device = parts.device
+        self.precision = parts.precision
+        self.data_parallel = parts.data_parallel
+        self.dp_group = parts.data_parallel.group
+        self.dp_world_size = parts.data_parallel.world_size
+        self.dp_rank = parts.data_parallel.rank
+        self.global_rank = parts.global_rank
+        if parts.topology is not None:
+            self.topology = parts.topology
+        self.strategy = parts.strategy
+        self.basic_optimizer = parts.basic_optimizer
+        self.optimizer: ZeroOptimizer | None = parts.optimizer
+        # the one place the engine asks whether it has an optimizer
+        self._optim: ZeroOptimizer | _NoOptimizer = (
+            parts.optimizer if parts.optimizer is not None else _NoOptimizer()
+        )
+        self.lr_scheduler = parts.lr_scheduler
+        self.training_dataloader = parts.training_dataloader
+        self.state = parts.state
+        self.observability = parts.observability
+        self.observability.attach_engine(self)
         self._no_sync = False
         self._coalescing = False
         self._boundary_override: bool | None = None
-
-        self._setup_data_parallel_group(mpu)
-        self.precision = PrecisionPolicy.from_sections(
-            self._config.fp16,
-            self._config.bf16,
-            self._config.torch_autocast,
-            self._config.communication_data_type,
-        )
-        self.device = torch.device(get_accelerator().current_device_name())
-        self._configure_module(dont_change_device)
-
-        params = model_parameters if model_parameters is not None else self.module.parameters()
-        self.basic_optimizer = build_basic_optimizer(optimizer, params, self._config)
-        self.optimizer: ZeroOptimizer | None = None
-        if self.basic_optimizer is not None:
-            self.optimizer = self._build_zero_optimizer(self.basic_optimizer)
-        self.lr_scheduler = build_lr_scheduler(lr_scheduler, self._config, self.basic_optimizer)
-        self.training_dataloader = (
-            self.deepspeed_io(training_data) if training_data is not None else None
-        )
-        self.observability = EngineObservability(self)
-
-    # -- construction -----------------------------------------------------------------------
-    def _setup_data_parallel_group(self, mpu: Any) -> None:
-        if mpu is not None:
-            self.dp_group = mpu.get_data_parallel_group()
-        else:
-            self.topology = comm.Topology(axes={"data": comm.get_world_size()})
-            self.dp_group = self.topology.get_group("data")
-        self.dp_world_size = comm.get_world_size(self.dp_group)
-        self.dp_rank = comm.get_rank(self.dp_group)
-        self.global_rank = comm.get_rank()
-
-    def _configure_module(self, dont_change_device: bool) -> None:
-        dtype = self.precision.param_dtype
-        if dtype != torch.float32:
-            self.module.to(dtype=dtype)
-        if not dont_change_device:
-            self.module.to(self.device)
-        self._broadcast_module()
-
-    def _broadcast_module(self) -> None:
-        """Start every data-parallel rank from the same weights and buffers as its group's rank 0."""
-        if self.dp_world_size == 1:
-            return
-        src = comm.get_global_rank(self.dp_group, 0) if self.dp_group is not None else 0
-        for tensor in [*self.module.parameters(), *self.module.buffers()]:
-            comm.broadcast(tensor.data, src=src, group=self.dp_group)
-
-    def _build_zero_optimizer(self, basic_optimizer: torch.optim.Optimizer) -> ZeroOptimizer:
-        zero = self._config.zero_optimization
-        ctx = StrategyContext(
-            dp_group=self.dp_group,
-            dp_world_size=self.dp_world_size,
-            dp_rank=self.dp_rank,
-            precision=self.precision,
-            reduce=GradReduceOptions(
-                prescale_gradients=self._config.prescale_gradients,
-                gradient_predivide_factor=self._config.gradient_predivide_factor,
-                communication_data_type=self.precision.comm_dtype,
-                bucket_size=int(zero.reduce_bucket_size),
-                overlap_comm=bool(zero.overlap_comm),
-            ),
-            zero_config=zero,
-            allow_untested_optimizer=bool(self._config.zero_allow_untested_optimizer),
-            grad_accum_dtype=self._config.data_types.grad_accum_dtype,
-        )
-        strategy = build_strategy(self.module, basic_optimizer, ctx)
-        scaler = loss_scaler_for_policy(self.precision, self._config.fp16)
-        return ZeroOptimizer(
-            strategy,
-            scaler,
-            gradient_clipping=float(self._config.gradient_clipping),
-            check_overflow=self.precision.needs_loss_scaling,
-        )
 
     # -- the training verbs -------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -170,7 +134,7 @@ class DeepSpeedEngine(nn.Module):
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss multiplied by the active loss scale (for a manual ``.backward()``)."""
-        return loss if self.optimizer is None else self.optimizer.scale_loss(loss)
+        return self._optim.scale_loss(loss)
 
     def backward(
         self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True
@@ -182,24 +146,19 @@ class DeepSpeedEngine(nn.Module):
                 "engine.backward(loss) takes the scalar loss tensor of a forward pass; got "
                 f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}"
             )
-        if self.optimizer is None:
-            raise RuntimeError(
-                "engine.backward() needs an optimizer: pass optimizer= to initialize() or add an "
-                "'optimizer' section to the config"
-            )
+        self._optim.require("backward()")
         with self.observability.backward(loss):
             gas = self.gradient_accumulation_steps()
             if scale_wrt_gas and gas > 1:
                 loss = loss / gas
-            strategy = self.optimizer.strategy
-            strategy.begin_backward(
+            self.strategy.begin_backward(
                 reduce=self.is_gradient_accumulation_boundary()
                 and not (self._no_sync or self._coalescing)
             )
             with self.observability.phase(BACKWARD_INNER_GLOBAL_TIMER):
-                self.optimizer.scale_loss(loss).backward(retain_graph=retain_graph)
+                self._optim.scale_loss(loss).backward(retain_graph=retain_graph)
             with self.observability.phase(BACKWARD_REDUCE_GLOBAL_TIMER):
-                strategy.end_backward()
+                self.strategy.end_backward()
         return loss
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
@@ -209,25 +168,18 @@ class DeepSpeedEngine(nn.Module):
                 "engine.step() inside coalesce_grad_reduction(): gradients are reduced when the "
                 "block exits, so call step() after it"
             )
-        self._step_applied = False
+        self.state.step_applied = False
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
-            if self.optimizer is None:
-                raise RuntimeError(
-                    "engine.step() needs an optimizer (see initialize(optimizer=...))"
-                )
+            self._optim.require("step()")
             with self.observability.phase(STEP_GLOBAL_TIMER):
-                self._step_applied = self.optimizer.step()
-                if self._step_applied:
-                    if self.lr_scheduler is not None:
-                        self.lr_scheduler.step(**(lr_kwargs or {}))
-                else:
-                    self.skipped_steps += 1
-            self.global_steps += 1
-            self.global_samples += self.train_batch_size()
+                applied = self._optim.step()
+                if applied and self.lr_scheduler is not None:
+                    self.lr_scheduler.step(**(lr_kwargs or {}))
+            self.state.end_optimizer_step(applied, self.train_batch_size())
             self._report_progress()
-        self.micro_steps += 1
-        self.observability.after_step(boundary)
+        self.state.end_micro_step()
+        self.observability.after_step(boundary, self.get_lr(), self.loss_scale)
 
     def _report_progress(self) -> None:
         every = self._config.steps_per_print
@@ -237,14 +189,14 @@ class DeepSpeedEngine(nn.Module):
             f"step={self.global_steps}, skipped={self.skipped_steps}, "
             f"lr={self.get_lr()}, mom={self.get_mom()}"
         )
-        if self.precision.needs_loss_scaling and self.optimizer is not None:
-            message += f", loss_scale={self.optimizer.loss_scale}"
+        if self.precision.needs_loss_scaling:
+            message += f", loss_scale={self.loss_scale}"
         log_dist(message, ranks=[0])
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally inside this block, with no reduction even at a boundary."""
-        if self.optimizer is not None and not self.optimizer.strategy.supports_no_sync:
+        if not self.strategy.supports_no_sync:
             raise AssertionError(
                 f"no_sync() is not supported with ZeRO stage {self.zero_optimization_stage()}"
             )
@@ -261,8 +213,7 @@ class DeepSpeedEngine(nn.Module):
         """Inside the block, ``backward()`` calls only accumulate locally; on exit, at an
         accumulation boundary, one reduction covers all of them (same result as reducing per
         backward, one collective pass instead of N). ``step()`` must come after the block."""
-        if self.optimizer is None:
-            raise RuntimeError("coalesce_grad_reduction() needs an optimizer")
+        self._optim.require("coalesce_grad_reduction()")
         if self._no_sync:
             raise RuntimeError("coalesce_grad_reduction() cannot be used inside no_sync()")
         if self._coalescing:
@@ -273,21 +224,16 @@ class DeepSpeedEngine(nn.Module):
         finally:
             self._coalescing = False
         if self.is_gradient_accumulation_boundary():
-            # a reduction with no backward: every bucket is launched by the flush
-            strategy = self.optimizer.strategy
-            strategy.begin_backward(reduce=True)
-            strategy.end_backward()
+            self.strategy.reduce_now()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self.optimizer is not None:
-            self.optimizer.zero_grad(set_to_none)
+        self._optim.zero_grad(set_to_none)
 
     # -- accumulation boundary ------------------------------------------------------------------
     def is_gradient_accumulation_boundary(self) -> bool:
         if self._boundary_override is not None:
             return self._boundary_override
-        window = self.micro_steps - self._window_start
-        return (window + 1) % self.gradient_accumulation_steps() == 0
+        return self.state.is_boundary(self.gradient_accumulation_steps())
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """Override the boundary computed from the micro-step counter (None-like reset: use
@@ -333,18 +279,16 @@ class DeepSpeedEngine(nn.Module):
 
     # -- queries --------------------------------------------------------------------------------
     def get_lr(self) -> list[float]:
-        return [] if self.optimizer is None else [g["lr"] for g in self.optimizer.param_groups]
+        return [g["lr"] for g in self._optim.param_groups]
 
     def get_mom(self) -> list[Any]:
-        if self.optimizer is None:
-            return []
-        return [g.get("betas", g.get("momentum")) for g in self.optimizer.param_groups]
+        return [g.get("betas", g.get("momentum")) for g in self._optim.param_groups]
 
     def get_global_grad_norm(self) -> float | None:
-        return None if self.optimizer is None else self.optimizer.global_grad_norm
+        return self._optim.global_grad_norm
 
     def was_step_applied(self) -> bool:
-        return self._step_applied
+        return self.state.step_applied
 
     def zero_optimization_stage(self) -> int:
         return int(self._config.zero_optimization.stage)
@@ -367,7 +311,7 @@ class DeepSpeedEngine(nn.Module):
 
     @property
     def loss_scale(self) -> float:
-        return 1.0 if self.optimizer is None else self.optimizer.loss_scale
+        return self._optim.loss_scale
 
     # -- data -----------------------------------------------------------------------------------
     def deepspeed_io(
@@ -382,17 +326,16 @@ class DeepSpeedEngine(nn.Module):
     ) -> DeepSpeedDataLoader:
         """A loader of this rank's shard of ``dataset`` in micro-batches."""
         del route
-        return DeepSpeedDataLoader(
+        return build_dataloader(
             dataset,
-            batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
+            self._config,
+            self.dp_world_size,
+            self.dp_rank,
+            batch_size=batch_size,
             pin_memory=pin_memory,
-            local_rank=comm.get_local_rank(),
+            data_sampler=data_sampler,
             collate_fn=collate_fn or self.collate_fn,
             num_local_io_workers=num_local_io_workers,
-            data_sampler=data_sampler,
-            data_parallel_world_size=self.dp_world_size,
-            data_parallel_rank=self.dp_rank,
-            dataloader_drop_last=bool(self._config.dataloader_drop_last),
         )
 
     # -- state ----------------------------------------------------------------------------------
@@ -403,10 +346,10 @@ class DeepSpeedEngine(nn.Module):
         keep_vars: bool = False,
         exclude_frozen_parameters: bool = False,
     ) -> dict[str, Any]:
-        state = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
-        if exclude_frozen_parameters:
-            frozen = {prefix + n for n, p in self.module.named_parameters() if not p.requires_grad}
-            state = {k: v for k, v in state.items() if k not in frozen}
+        state = self.strategy.full_state_dict(prefix, keep_vars, exclude_frozen_parameters)
+        if destination is not None:
+            destination.update(state)
+            return destination  # type: ignore[no-any-return]
         return state
 
     def load_module_state_dict(
@@ -418,10 +361,7 @@ class DeepSpeedEngine(nn.Module):
     ) -> None:
         del fetch_z3_params
         module_state = checkpoint.get("module", checkpoint)
-        if custom_load_fn is not None:
-            custom_load_fn(src=module_state, dst=self.module)
-        else:
-            self.module.load_state_dict(module_state, strict=strict)
+        self.strategy.load_full_state_dict(module_state, strict, custom_load_fn)
 
     def save_checkpoint(
         self,
@@ -456,7 +396,7 @@ class DeepSpeedEngine(nn.Module):
             load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only,
             custom_load_fn=custom_load_fn,
         )
-        self._window_start = self.micro_steps
+        self.state.open_window()
         return loaded
 
     def save_16bit_model(
@@ -472,6 +412,5 @@ class DeepSpeedEngine(nn.Module):
 
     def destroy(self) -> None:
         """Remove the gradient hooks; the engine must not be used afterwards."""
-        if self.optimizer is not None:
-            self.optimizer.strategy.destroy()
+        self.strategy.destroy()
         self.observability.close()

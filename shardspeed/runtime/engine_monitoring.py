@@ -26,6 +26,8 @@ from shardspeed import comm
 from shardspeed.monitor.monitor import MonitorMaster
 from shardspeed.profiling.flops_profiler.profiler import FlopsProfiler
 from shardspeed.runtime.engine_progress import ProgressDisplay, progress_requested
+from shardspeed.runtime.train_state import TrainState
+from shardspeed.runtime.zero.comm_group import CommGroup
 from shardspeed.utils.logging import log_dist
 from shardspeed.utils.timer import (
     BACKWARD_GLOBAL_TIMER,
@@ -51,16 +53,26 @@ PHASE_EVENT_NAMES = {
 class EngineObservability:
     """Timers, throughput, monitor events, FLOPs profile and progress for one engine."""
 
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
-        config = engine.config
-        self.is_rank0 = engine.global_rank == 0
+    def __init__(
+        self,
+        config: Any,
+        module: torch.nn.Module,
+        state: TrainState,
+        data_parallel: CommGroup,
+        global_rank: int,
+        needs_loss_scaling: bool,
+    ) -> None:
+        self.config = config
+        self.state = state
+        self.data_parallel = data_parallel
+        self.needs_loss_scaling = needs_loss_scaling
+        self.is_rank0 = global_rank == 0
         self.breakdown = bool(config.wall_clock_breakdown_enabled)
         self.memory_breakdown = bool(config.memory_breakdown)
         self.timers = SynchronizedWallClockTimer(enabled=self.breakdown)
         self.throughput = ThroughputTimer(
             config.timers.throughput,
-            batch_size=engine.train_batch_size(),
+            batch_size=config.train_batch_size,
             steps_per_output=config.steps_per_print,
             monitor_memory=self.memory_breakdown,
             logging_fn=lambda line: log_dist(line, ranks=[0]),
@@ -72,9 +84,7 @@ class EngineObservability:
         self.flops_profiler: FlopsProfiler | None = None
         if profiler_cfg.enabled:
             self.flops_profiler = FlopsProfiler(
-                engine.module,
-                ds_engine=engine,
-                recompute_fwd_factor=profiler_cfg.recompute_fwd_factor,
+                module, recompute_fwd_factor=profiler_cfg.recompute_fwd_factor
             )
         self._profiling = False
         self._profile_window = False
@@ -96,6 +106,11 @@ class EngineObservability:
         self.last_breakdown: dict[str, float] = {}
         self.last_loss: float | None = None
 
+    def attach_engine(self, engine: Any) -> None:
+        """Let the FLOPs profile report the engine's step figures (DeepSpeed's ``ds_engine``)."""
+        if self.flops_profiler is not None:
+            self.flops_profiler.ds_engine = engine
+
     # -- hooks the engine calls -------------------------------------------------------------
     @contextmanager
     def forward(self, inputs: tuple[Any, ...]) -> Iterator[None]:
@@ -107,7 +122,7 @@ class EngineObservability:
         self.throughput.start()
         start_profile = (
             self.flops_profiler is not None
-            and self.engine.global_steps == self.profiler_config.profile_step
+            and self.state.global_steps == self.profiler_config.profile_step
             and self._window_micro == 0
             and not self._profile_window
         )
@@ -148,8 +163,9 @@ class EngineObservability:
         finally:
             timer.stop()
 
-    def after_step(self, boundary: bool) -> None:
-        """End of ``engine.step()``; at an optimizer step, report everything."""
+    def after_step(self, boundary: bool, lrs: list[float], loss_scale: float) -> None:
+        """End of ``engine.step()``; at an optimizer step, report everything (``lrs``: each
+        parameter group's learning rate, ``loss_scale``: the current loss scale)."""
         self.throughput.stop(global_step=boundary)
         self._window_micro += 1
         if not boundary:
@@ -158,12 +174,12 @@ class EngineObservability:
         loss = self._window_loss()
         phases = self._read_phases()
         if self.monitor.enabled:
-            self._write_events(loss, phases)
+            self._write_events(loss, phases, lrs, loss_scale)
         if self._profile_window:
             self._print_profile(phases)
         self._log_breakdown(phases)
         self.progress.update(
-            self.engine.global_steps, self.last_loss, self.throughput.avg_samples_per_sec()
+            self.state.global_steps, self.last_loss, self.throughput.avg_samples_per_sec()
         )
 
     # -- reporting --------------------------------------------------------------------------
@@ -172,9 +188,10 @@ class EngineObservability:
             return None
         mean = self._loss_sum / max(1, self._loss_count)
         self._loss_sum, self._loss_count = None, 0
-        if self.monitor.enabled and self.engine.dp_world_size > 1:
-            comm.all_reduce(mean, group=self.engine.dp_group)
-            mean = mean / self.engine.dp_world_size
+        dp = self.data_parallel
+        if self.monitor.enabled and dp.world_size > 1:
+            comm.all_reduce(mean, group=dp.group)
+            mean = mean / dp.world_size
         self.last_loss = float(mean)
         return self.last_loss
 
@@ -185,17 +202,17 @@ class EngineObservability:
         self.last_breakdown = phases
         return phases
 
-    def _write_events(self, loss: float | None, phases: dict[str, float]) -> None:
-        engine = self.engine
-        x = engine.global_samples
+    def _write_events(
+        self, loss: float | None, phases: dict[str, float], lrs: list[float], loss_scale: float
+    ) -> None:
+        x = self.state.global_samples
         events: list[tuple[str, float, int]] = []
         if loss is not None:
             events.append(("Train/Samples/train_loss", loss, x))
-        lrs = engine.get_lr()
         if lrs:
             events.append(("Train/Samples/lr", float(lrs[0]), x))
-        if engine.precision.needs_loss_scaling:
-            events.append(("Train/Samples/loss_scale", float(engine.loss_scale), x))
+        if self.needs_loss_scaling:
+            events.append(("Train/Samples/loss_scale", float(loss_scale), x))
         events += [(PHASE_EVENT_NAMES[name], ms, x) for name, ms in phases.items()]
         self.last_events = events
         self.monitor.write_events(events)
@@ -206,8 +223,8 @@ class EngineObservability:
         for name, ms in phases.items():
             self._print_sums[name] = self._print_sums.get(name, 0.0) + ms
         self._print_steps += 1
-        every = self.engine.config.steps_per_print
-        if not every or self.engine.global_steps % every != 0:
+        every = self.config.steps_per_print
+        if not every or self.state.global_steps % every != 0:
             return
         line = "time (ms)" + "".join(
             f" | {name}: {total / self._print_steps:.2f}"
@@ -223,16 +240,16 @@ class EngineObservability:
         return dict(self._profile_timings)
 
     def _print_profile(self, phases: dict[str, float]) -> None:
-        prof, cfg, engine = self.flops_profiler, self.profiler_config, self.engine
+        prof, cfg = self.flops_profiler, self.profiler_config
         assert prof is not None
-        gas = engine.gradient_accumulation_steps()
+        gas = self.config.gradient_accumulation_steps
         self._profile_timings = {
             "world_size": self.throughput.world_size,
             "bwd_s": phases.get(BACKWARD_GLOBAL_TIMER, 0.0) / 1000.0 / gas,
             "step_s": phases.get(STEP_GLOBAL_TIMER, 0.0) / 1000.0,
         }
         fwd_flops = int(prof.get_total_flops())
-        micro = max(1, engine.train_micro_batch_size_per_gpu())
+        micro = max(1, self.config.train_micro_batch_size_per_gpu)
         self.throughput.flops_per_sample = (3 + prof.recompute_fwd_factor) * fwd_flops / micro
         if self.is_rank0:
             prof.print_model_profile(

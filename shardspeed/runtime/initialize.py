@@ -1,4 +1,5 @@
-"""``shardspeed.initialize``: read the config once, set up communication, build the engine."""
+"""``shardspeed.initialize``: read the config once, set up communication, assemble the
+engine's parts (:mod:`~shardspeed.runtime.assembly`) and hand them to the engine."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from torch import nn
 
 from shardspeed import comm
 from shardspeed.config import DeepSpeedConfig, DeepSpeedConfigError
+from shardspeed.runtime.assembly import assemble
 from shardspeed.runtime.engine import DeepSpeedEngine
 from shardspeed.utils.logging import log_dist, warning_once
 from shardspeed.version import __git_branch__, __git_hash__, __version__
@@ -77,15 +79,16 @@ def initialize(
     comm.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     dp_world_size = mpu.get_data_parallel_world_size() if mpu is not None else comm.get_world_size()
     ds_config = DeepSpeedConfig(source, mpu=mpu, dp_world_size=dp_world_size)
-    engine = DeepSpeedEngine(
+    parts = assemble(
+        ds_config,
+        model,
         args=args,
-        model=model,
         optimizer=optimizer,
         model_parameters=model_parameters,
         training_data=training_data,
         lr_scheduler=lr_scheduler,
         mpu=mpu,
         collate_fn=collate_fn,
-        config_class=ds_config,
     )
+    engine = DeepSpeedEngine(parts)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

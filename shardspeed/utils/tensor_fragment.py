@@ -42,7 +42,7 @@ def _state_piece(param: nn.Parameter, key: str) -> tuple[ParamFragment, Tensor] 
     if fragment is None:
         return None
     strategy = strategy_of(param)
-    assert strategy is not None
+    assert strategy is not None and strategy.optimizer is not None  # a fragment: it trains
     state = strategy.optimizer.state.get(fragment.state_key, {})
     if key not in state:
         raise KeyError(

@@ -2,6 +2,8 @@
 
 ``step()`` is one optimizer step at the accumulation boundary: unscale, agree on overflow across
 every rank, clip by the true global norm, update (or skip), update the loss scale, zero grads.
+The strategy's shard groups report their local overflow flags and squared-norm parts; one
+:class:`~shardspeed.runtime.zero.grad_norm.GradNormReducer` combines them over the right groups.
 """
 
 from __future__ import annotations
@@ -10,9 +12,9 @@ from typing import Any
 
 import torch
 
-from shardspeed import comm
 from shardspeed.runtime.base_optimizer import DeepSpeedOptimizer
 from shardspeed.runtime.precision.loss_scaler import LossScalerBase
+from shardspeed.runtime.zero.grad_norm import GradNormReducer
 from shardspeed.runtime.zero.strategy import ZeroStrategy
 
 
@@ -26,13 +28,17 @@ class ZeroOptimizer(DeepSpeedOptimizer):
         gradient_clipping: float = 0.0,
         check_overflow: bool = False,
         track_grad_norm: bool = False,
+        reducer: GradNormReducer | None = None,
     ) -> None:
+        if strategy.optimizer is None:
+            raise ValueError("ZeroOptimizer needs a strategy with a bound optimizer")
         super().__init__(strategy.optimizer)
         self.strategy = strategy
         self.loss_scaler = loss_scaler
         self.gradient_clipping = gradient_clipping
         self.check_overflow = check_overflow
         self.track_grad_norm = track_grad_norm or gradient_clipping > 0.0
+        self.reducer = reducer or GradNormReducer()
         self._global_grad_norm: torch.Tensor | None = None
         self.overflow = False
 
@@ -45,6 +51,11 @@ class ZeroOptimizer(DeepSpeedOptimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.strategy.zero_grad(set_to_none)
 
+    @staticmethod
+    def require(verb: str) -> None:
+        """The engine's check that ``verb`` has an optimizer: this one is."""
+        del verb
+
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return self.loss_scaler.scale_loss(loss)
 
@@ -53,15 +64,16 @@ class ZeroOptimizer(DeepSpeedOptimizer):
         if closure is not None:
             raise ValueError("shardspeed's optimizer step does not take a closure")
         strategy = self.strategy
+        device = strategy.placement.device
         strategy.prepare_step(1.0 / self.loss_scaler.loss_scale)
         if self.check_overflow:
-            self.overflow = self._any_rank_overflowed()
+            self.overflow = self.reducer.any_overflow(strategy.overflow_flags(), device)
             self.loss_scaler.update_scale(self.overflow)
             if self.overflow:
                 strategy.zero_grad()
                 return False
         if self.track_grad_norm:
-            norm = strategy.global_grad_norm()
+            norm = self.reducer.global_norm(strategy.grad_squares(), device)
             self._global_grad_norm = norm
             if self.gradient_clipping > 0.0:
                 coef = torch.clamp(self.gradient_clipping / (norm + 1e-6), max=1.0)
@@ -69,12 +81,6 @@ class ZeroOptimizer(DeepSpeedOptimizer):
         strategy.optimizer_step()
         strategy.zero_grad()
         return True
-
-    def _any_rank_overflowed(self) -> bool:
-        flag = self.strategy.local_overflow().float()
-        if comm.is_initialized() and comm.get_world_size() > 1:
-            comm.all_reduce(flag, op=comm.ReduceOp.MAX)
-        return bool(flag.item())
 
     @property
     def global_grad_norm(self) -> float | None:

@@ -10,7 +10,7 @@ slice of the model's weights as well as of the gradients. With the default bucke
 than most models) a parameter group is one bucket.
 
 This module only does index arithmetic: which elements of which parameter land where in this
-rank's chunks. It holds no tensors.
+rank's chunks (each parameter's :class:`Piece`, kept on its record). It holds no tensors.
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from torch import nn
-
 from shardspeed.runtime.zero.buckets import GradBucket
+from shardspeed.runtime.zero.records import ParamRecord
 
 
 @dataclass(frozen=True)
@@ -47,33 +46,30 @@ class Piece:
 
 
 class FlatPartition:
-    """This rank's chunk of every bucket, and the parameter pieces each chunk holds."""
+    """This rank's chunk of every bucket; each record gets the piece of it this rank owns."""
 
-    def __init__(self, buckets: Sequence[GradBucket], world_size: int, rank: int) -> None:
-        self.world_size = world_size
+    def __init__(
+        self, buckets: Sequence[GradBucket], records: Sequence[ParamRecord], world: int, rank: int
+    ) -> None:
+        self.world_size = world
         self.rank = rank
         #: elements of this rank's chunk of each bucket (the same on every rank)
         self.chunk_numel: list[int] = []
-        self._pieces: dict[int, Piece] = {}
         for bucket in buckets:
-            assert bucket.size % world_size == 0, "buckets must be padded to the world size"
-            chunk = bucket.size // world_size
-            self.chunk_numel.append(chunk)
-            self._add_pieces(bucket, chunk * rank, chunk * (rank + 1))
-
-    def _add_pieces(self, bucket: GradBucket, lo: int, hi: int) -> None:
-        for param, offset in zip(bucket.params, bucket.offsets, strict=True):
-            start, stop = max(offset, lo), min(offset + param.numel(), hi)
-            if start < stop:
-                self._pieces[id(param)] = Piece(
-                    bucket.index, start - offset, stop - offset, start - lo
-                )
+            assert bucket.size % world == 0, "buckets must be padded to the world size"
+            self.chunk_numel.append(bucket.size // world)
+        for record in records:
+            assert record.bucket is not None
+            chunk = self.chunk_numel[record.bucket.index]
+            lo, hi = chunk * rank, chunk * (rank + 1)
+            start, stop = max(record.offset, lo), min(record.offset + record.numel, hi)
+            record.piece = (
+                Piece(record.bucket.index, start - record.offset, stop - record.offset, start - lo)
+                if start < stop
+                else None
+            )
 
     def chunk_slice(self, bucket: int) -> slice:
         """Where this rank's chunk sits in bucket ``bucket``'s flat layout."""
         chunk = self.chunk_numel[bucket]
         return slice(chunk * self.rank, chunk * (self.rank + 1))
-
-    def piece(self, param: nn.Parameter) -> Piece | None:
-        """This rank's piece of ``param`` (None if this rank owns none of it)."""
-        return self._pieces.get(id(param))

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 
-from shardspeed.runtime.zero.stage0 import ReplicatedStrategy
-from shardspeed.runtime.zero.stage1 import OptimizerStateStrategy
-from shardspeed.runtime.zero.stage2 import GradientPartitionStrategy
+from shardspeed.runtime.zero.partitioned import (
+    GradientPartitionStrategy,
+    OptimizerStateStrategy,
+)
+from shardspeed.runtime.zero.replicated import ReplicatedStrategy
 from shardspeed.runtime.zero.strategy import StrategyContext, ZeroStrategy
 
 STRATEGIES: dict[int, type[ZeroStrategy]] = {
@@ -55,9 +56,8 @@ def check_zero_config(zero: Any) -> None:
         )
 
 
-def build_strategy(
-    module: nn.Module, optimizer: torch.optim.Optimizer, ctx: StrategyContext
-) -> ZeroStrategy:
-    """Validate ``ctx.zero_config`` and build the strategy for its stage."""
+def build_strategy(module: nn.Module, ctx: StrategyContext) -> ZeroStrategy:
+    """Validate ``ctx.zero_config`` and build the strategy for its stage (with no optimizer:
+    :meth:`~ZeroStrategy.bind_optimizer` adds one)."""
     check_zero_config(ctx.zero_config)
-    return strategy_class(ctx.zero_config.stage)(module, optimizer, ctx)
+    return strategy_class(ctx.zero_config.stage)(module, ctx)

@@ -1,4 +1,5 @@
-"""DeepSpeed's ``deepspeed.runtime.zero.stage3`` path: the ZeRO-3 memory estimators.
+"""Import-path shim: DeepSpeed's ``deepspeed.runtime.zero.stage3``, re-exporting the ZeRO-3
+memory estimators. No code lives here; the stage 3 strategy will get its own modules.
 
 ZeRO-3 training itself (partitioned parameters) is not implemented yet: ``zero_optimization.stage
 = 3`` is refused at initialize. The estimators need only parameter counts

@@ -1,5 +1,7 @@
-"""DeepSpeed's ``deepspeed.runtime.zero.stage_1_and_2`` path: the stage 1/2 optimizer classes
-and the ZeRO-2 memory estimators (:mod:`~shardspeed.runtime.zero.estimators`)."""
+"""Import-path shim: DeepSpeed's ``deepspeed.runtime.zero.stage_1_and_2``, re-exporting the
+stage 1/2 strategies (:mod:`~shardspeed.runtime.zero.partitioned`) under DeepSpeed's class name
+and the ZeRO-2 memory estimators (:mod:`~shardspeed.runtime.zero.estimators`). No code lives
+here."""
 
 from __future__ import annotations
 
@@ -9,9 +11,11 @@ from shardspeed.runtime.zero.estimators import (
     estimate_zero2_model_states_mem_needs_all_live,
     model_to_params,
 )
-from shardspeed.runtime.zero.partitioned import PartitionedStrategy
-from shardspeed.runtime.zero.stage1 import OptimizerStateStrategy
-from shardspeed.runtime.zero.stage2 import GradientPartitionStrategy
+from shardspeed.runtime.zero.partitioned import (
+    GradientPartitionStrategy,
+    OptimizerStateStrategy,
+    PartitionedStrategy,
+)
 
 #: DeepSpeed's class name for the stage 1/2 optimizer; here the shared strategy base
 DeepSpeedZeroOptimizer = PartitionedStrategy

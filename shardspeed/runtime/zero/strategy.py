@@ -1,158 +1,287 @@
-"""The ZeRO strategy interface: how parameters, gradients and optimizer state are split.
+"""The ZeRO strategy: how parameters, gradients and optimizer state are split across ranks.
 
-One implementation per stage (0 replicated, 1 optimizer-state partition, 2 + gradient partition,
-3 + parameter partition). The engine and :class:`~shardspeed.runtime.zero.optimizer.ZeroOptimizer`
-talk only to this interface, so no caller ever branches on the stage number.
+One subclass per stage (0 replicated, 1 optimizer-state partition, 2 + gradient partition,
+3 + parameter partition), each a composition of
+:class:`~shardspeed.runtime.zero.shard_group.ShardGroup`\\ s; the engine talks only to this
+interface and never branches on the stage number. A strategy exists for every engine, also one
+with no optimizer (forward and eval only): it places the module (:meth:`place_module`) and
+serves its full state dict (:meth:`full_state_dict`); :meth:`bind_optimizer` then splits the
+trained parameters into shard groups, one per process group they reduce over
+(``StrategyContext.comm_for``; by default all on the data-parallel group).
 
-The life of one optimizer step, as the engine drives it::
+The life of one optimizer step, as the engine and
+:class:`~shardspeed.runtime.zero.optimizer.ZeroOptimizer` drive it::
 
     for each micro-batch:
         strategy.begin_backward(reduce=is_boundary and not no_sync)
-        loss.backward()                      # strategy hooks reduce gradients bucket by bucket
+        loss.backward()                      # the groups' hooks reduce gradients bucket by bucket
         strategy.end_backward()              # flush the last buckets, wait for them
     strategy.prepare_step(inv_loss_scale)    # gradients -> fp32 master gradients, unscaled
-    strategy.local_overflow()                # non-finite check on this rank's gradients
-    strategy.global_grad_norm()              # over the data-parallel group
+    strategy.overflow_flags()                # per group; one reducer agrees across ranks
+    strategy.grad_squares()                  # per group; one reducer combines them
     strategy.scale_gradients(clip_coef)
     strategy.optimizer_step()                # update masters, write back to the model
     strategy.zero_grad()
 
-Debugging and state-editing utilities (``shardspeed.utils.safe_get_full_fp32_param`` ...) find a
-parameter's strategy through :func:`strategy_of` (a weak map filled when a strategy is built) and
-its pieces through :meth:`ZeroStrategy.param_fragment`; nothing is stored on the parameters.
+Per-parameter facts live on one :class:`~shardspeed.runtime.zero.records.ParamRecord` each, in
+the strategy's :class:`~shardspeed.runtime.zero.records.ParamRegistry`; debugging utilities
+(``shardspeed.utils.safe_get_full_fp32_param`` ...) find a parameter's strategy through
+:func:`strategy_of` and its piece through :meth:`ZeroStrategy.param_fragment`.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary
 
-from shardspeed.comm import ProcessGroup
+from shardspeed import comm
+from shardspeed.checkpoint.layout import versioned
 from shardspeed.runtime.precision.policy import PrecisionPolicy
+from shardspeed.runtime.zero.comm_group import CommGroup
+from shardspeed.runtime.zero.grad_norm import GradSquares
+from shardspeed.runtime.zero.placement import Placement
+from shardspeed.runtime.zero.records import ParamRecord, ParamRegistry, record_of
+from shardspeed.runtime.zero.reduce_options import GradReduceOptions
+from shardspeed.runtime.zero.shard_group import GroupOptions, ParamFragment, ShardGroup
 
-
-@dataclass(frozen=True)
-class GradReduceOptions:
-    """How gradients are averaged across the data-parallel group (DeepSpeed's knobs)."""
-
-    prescale_gradients: bool = False
-    gradient_predivide_factor: float = 1.0
-    communication_data_type: torch.dtype | None = None
-    bucket_size: int = 500_000_000
-    overlap_comm: bool = True
+__all__ = [
+    "GradReduceOptions",
+    "ParamFragment",
+    "StrategyContext",
+    "ZeroStrategy",
+    "strategy_of",
+]
 
 
 @dataclass(frozen=True)
 class StrategyContext:
-    """Everything a strategy needs from the engine, handed over once at construction."""
+    """Everything a strategy needs, handed over once at construction."""
 
-    dp_group: ProcessGroup | None
-    dp_world_size: int
-    dp_rank: int
     precision: PrecisionPolicy
     reduce: GradReduceOptions
+    #: the data-parallel group: where the module is broadcast from and, by default, what every
+    #: trained parameter reduces over
+    data_parallel: CommGroup
+    #: the accelerator device the module runs on
+    device: torch.device
     zero_config: Any = None
     #: the ``zero_allow_untested_optimizer`` flag
     allow_untested_optimizer: bool = False
     #: ``data_types.grad_accum_dtype`` (None: the strategy's default)
     grad_accum_dtype: torch.dtype | None = None
-
-
-@dataclass(frozen=True)
-class ParamFragment:
-    """This rank's piece of one model parameter: elements ``param_slice`` of
-    ``param.view(-1)``, with their fp32 master values, reduced gradient and optimizer state.
-
-    ``master`` and ``grad`` are 1-D views of exactly the piece; the optimizer state of the piece is
-    ``optimizer.state[state_key][name].view(-1)[state_slice]``. ``partitioned`` says whether
-    other ranks of ``group`` hold the rest (then assembling the full tensor is a collective).
-    """
-
-    param_slice: slice
-    master: torch.Tensor
-    grad: torch.Tensor | None
-    state_key: torch.Tensor
-    state_slice: slice
-    partitioned: bool
-    group: ProcessGroup | None
-
-
-# parameter -> the strategy that manages it; weak so that a dropped engine frees its model
-_STRATEGY_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
-def register_params(params: Iterable[torch.Tensor], strategy: ZeroStrategy) -> None:
-    """Record that ``strategy`` manages ``params`` (the latest registration wins)."""
-    for param in params:
-        _STRATEGY_OF[param] = strategy
+    #: the process group a trained parameter reduces over (None: ``data_parallel`` for all);
+    #: Mixture of Experts puts expert parameters on their expert-data-parallel group
+    comm_for: Callable[[ParamRecord], CommGroup] | None = None
 
 
 def strategy_of(param: torch.Tensor) -> ZeroStrategy | None:
-    """The strategy managing ``param``, or None if no live engine trains it."""
-    return _STRATEGY_OF.get(param)
+    """The live strategy managing ``param``, or None."""
+    record = record_of(param)
+    owner = None if record is None else record.owner
+    return owner if isinstance(owner, ZeroStrategy) else None
 
 
-class ZeroStrategy(ABC):
-    """Splits training state across data-parallel ranks; one subclass per ZeRO stage."""
+class ZeroStrategy:
+    """Splits training state across ranks; one subclass per ZeRO stage, each naming the kind
+    of shard group it is made of (:meth:`make_group`) and its checkpoint form."""
 
     stage: ClassVar[int]
     #: whether ``engine.no_sync()`` may suppress gradient reduction under this strategy
     supports_no_sync: ClassVar[bool] = True
 
-    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, ctx: StrategyContext):
+    def __init__(self, module: nn.Module, ctx: StrategyContext) -> None:
         self.module = module
-        self.optimizer = optimizer
         self.ctx = ctx
-        register_params(module.parameters(), self)
+        self.registry = ParamRegistry(module, self)
+        self.placement = Placement.on(ctx.device)
+        self.groups: list[ShardGroup] = []
+        self.optimizer: torch.optim.Optimizer | None = None
 
-    @abstractmethod
+    # -- the module -------------------------------------------------------------------------
+    def place_module(self, move: bool = True) -> None:
+        """Cast the module to the training dtype, move it to the device (unless ``move`` is
+        False: ``dont_change_device``) and start every data-parallel rank from rank 0's
+        weights and buffers."""
+        dtype = self.ctx.precision.param_dtype
+        if dtype != torch.float32:
+            self.module.to(dtype=dtype)
+        if move:
+            self.module.to(self.placement.device)
+        dp = self.ctx.data_parallel
+        if not dp.partitioned:
+            return
+        src = comm.get_global_rank(dp.group, 0) if dp.group is not None else 0
+        for tensor in [*self.module.parameters(), *self.module.buffers()]:
+            comm.broadcast(tensor.data, src=src, group=dp.group)
+
+    def full_state_dict(
+        self, prefix: str = "", keep_vars: bool = False, exclude_frozen_parameters: bool = False
+    ) -> dict[str, Any]:
+        """The whole module's state dict, as ``module.state_dict()`` gives it (stage 3 gathers)."""
+        state = self.module.state_dict(prefix=prefix, keep_vars=keep_vars)
+        if exclude_frozen_parameters:
+            frozen = {prefix + r.name for r in self.registry.records if not r.param.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        return state
+
+    def load_full_state_dict(
+        self, state: dict[str, Any], strict: bool = True, custom_load_fn: Any = None
+    ) -> None:
+        """Load a whole-module state dict (``custom_load_fn(src=, dst=)`` does it if given)."""
+        if custom_load_fn is not None:
+            custom_load_fn(src=state, dst=self.module)
+        else:
+            self.module.load_state_dict(state, strict=strict)
+
+    # -- the optimizer ----------------------------------------------------------------------
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Refuse an optimizer this strategy cannot step (before anything is changed)."""
+        del optimizer
+
+    def make_group(self, records: list[ParamRecord], comm_group: CommGroup) -> ShardGroup:
+        """The shard group of ``records``, reducing over ``comm_group``."""
+        raise NotImplementedError
+
+    def keep_in_optimizer(self, tensor: torch.Tensor, stepped: set[int], index: int) -> bool:
+        """Whether a tensor no shard group steps stays in optimizer group ``index``."""
+        del tensor, stepped, index
+        return False
+
+    def group_options(self) -> GroupOptions:
+        return GroupOptions(
+            precision=self.ctx.precision,
+            reduce=self.ctx.reduce,
+            grad_accum_dtype=self.ctx.grad_accum_dtype,
+            ignore_unused_parameters=bool(
+                getattr(self.ctx.zero_config, "ignore_unused_parameters", True)
+            ),
+            label=f"ZeRO stage {self.stage}",
+        )
+
+    def bind_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Split the parameters ``optimizer`` trains into shard groups and make it step what
+        the groups hand it (masters, partitions) instead of the module's parameters."""
+        if self.optimizer is not None:
+            raise RuntimeError("this strategy already has an optimizer")
+        self.check_optimizer(optimizer)
+        opt_group = {
+            id(p): index
+            for index, group in enumerate(optimizer.param_groups)
+            for p in group["params"]
+        }
+        by_comm: dict[CommGroup, list[ParamRecord]] = {self.ctx.data_parallel: []}
+        for record in self.registry.records:
+            if record.param.requires_grad and id(record.param) in opt_group:
+                record.opt_group = opt_group[id(record.param)]
+                comm_group = (
+                    self.ctx.data_parallel
+                    if self.ctx.comm_for is None
+                    else self.ctx.comm_for(record)
+                )
+                by_comm.setdefault(comm_group, []).append(record)
+        self.groups = [self.make_group(records, group) for group, records in by_comm.items()]
+        stepped = {id(t) for group in self.groups for t in group.masters.master_params}
+        for index, param_group in enumerate(optimizer.param_groups):
+            params = list(param_group["params"])
+            for group in self.groups:
+                params = group.rebind(params, index)
+            param_group["params"] = [
+                t for t in params if id(t) in stepped or self.keep_in_optimizer(t, stepped, index)
+            ]
+        self.optimizer = optimizer
+
+    # -- backward: every group in turn ------------------------------------------------------
     def begin_backward(self, reduce: bool) -> None:
         """Called before autograd runs; ``reduce`` says whether this backward reduces gradients."""
+        for group in self.groups:
+            group.begin_backward(reduce)
 
-    @abstractmethod
     def end_backward(self) -> None:
         """Called after autograd returns: launch what is left and wait for every reduction."""
+        for group in self.groups:
+            group.end_backward()
 
-    @abstractmethod
+    def reduce_now(self) -> None:
+        """Reduce the gradients accumulated so far, with no backward (coalesced reduction)."""
+        self.begin_backward(reduce=True)
+        self.end_backward()
+
+    # -- step ------------------------------------------------------------------------------
     def prepare_step(self, inv_loss_scale: float) -> None:
-        """Make this rank's gradients ready for the update (master dtype, unscaled)."""
+        for group in self.groups:
+            group.prepare_step(inv_loss_scale)
 
-    @abstractmethod
-    def local_overflow(self) -> torch.Tensor:
-        """A 0-dim float tensor, 1.0 if any gradient this rank holds is inf or nan."""
+    def overflow_flags(self) -> list[torch.Tensor]:
+        """Each group's local inf/nan flag."""
+        return [group.local_overflow() for group in self.groups]
 
-    @abstractmethod
-    def global_grad_norm(self) -> torch.Tensor:
-        """The L2 norm of the full gradient over all data-parallel ranks (0-dim tensor)."""
+    def grad_squares(self) -> list[GradSquares]:
+        """Each group's part of the squared global gradient norm."""
+        return [group.grad_squares() for group in self.groups]
 
-    @abstractmethod
     def scale_gradients(self, coef: torch.Tensor) -> None:
-        """Multiply the gradients the optimizer will use by ``coef`` (clipping)."""
+        for group in self.groups:
+            group.scale_gradients(coef)
 
-    @abstractmethod
     def optimizer_step(self) -> None:
-        """Run the wrapped optimizer and bring the model parameters up to date."""
+        """Run the bound optimizer and bring the model parameters up to date."""
+        assert self.optimizer is not None, "bind_optimizer() first"
+        self.optimizer.step()
+        for group in self.groups:
+            group.after_step()
 
-    @abstractmethod
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Forget the accumulated gradients."""
+        """Forget the accumulated gradients (each group reuses or frees its buffers)."""
+        del set_to_none
+        for group in self.groups:
+            group.zero_grad()
 
-    @abstractmethod
+    # -- inspection ------------------------------------------------------------------------
     def param_fragment(self, param: nn.Parameter) -> ParamFragment | None:
         """This rank's piece of ``param``; None if the optimizer does not train it."""
+        record = self.registry.get(param)
+        if record is None or record.group is None or not param.requires_grad:
+            return None
+        return record.group.fragment(record)
 
+    def param_names(self) -> dict[int, str]:
+        """Each module parameter's name, by ``id`` (a tied parameter under its first name)."""
+        return self.registry.names()
+
+    def master_params(self) -> list[torch.Tensor]:
+        """The tensors the optimizer steps (for state inspection and checkpoints)."""
+        if self.optimizer is None:
+            return []
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    # -- checkpoint state (the form is the subclass's) --------------------------------------
     def checkpoint_shard_name(self, dp_rank: int | None = None) -> str | None:
         """File name of data-parallel rank ``dp_rank``'s (default: this rank's) optimizer
         checkpoint, or None if the optimizer state is replicated (then it is saved once, with
         the model states)."""
         del dp_rank
         return None
+
+    def only_group(self) -> ShardGroup:
+        """The one shard group whose state a checkpoint holds."""
+        if len(self.groups) != 1:
+            raise NotImplementedError(
+                f"checkpoints of a strategy with {len(self.groups)} shard groups are not "
+                "supported yet (they arrive with Mixture of Experts)"
+            )
+        return self.groups[0]
+
+    def state_dict(self) -> dict[str, Any]:
+        return versioned({"stage": self.stage})
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; ``{}`` makes the masters follow the module's weights."""
+        for group in self.groups:
+            group.load_state_dict(state)
 
     def sharded_state(
         self,
@@ -165,23 +294,8 @@ class ZeroStrategy(ABC):
         ``module_state``, whatever stage, world size and buckets saved it."""
         raise NotImplementedError(f"ZeRO stage {self.stage} keeps no optimizer shards")
 
-    def param_names(self) -> dict[int, str]:
-        """Each module parameter's name, by ``id`` (a tied parameter under its first name): how
-        checkpoint layouts and error messages name parameters."""
-        return {id(p): name for name, p in self.module.named_parameters()}
-
-    def master_params(self) -> list[torch.Tensor]:
-        """The tensors the wrapped optimizer updates (for state inspection and checkpoints)."""
-        return [p for group in self.optimizer.param_groups for p in group["params"]]
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"stage": self.stage}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        del state
-
     def destroy(self) -> None:
-        """Remove hooks this strategy installed on the module and forget its parameters."""
-        for param in self.module.parameters():
-            if _STRATEGY_OF.get(param) is self:
-                del _STRATEGY_OF[param]
+        """Remove the hooks this strategy installed and forget its parameters."""
+        for group in self.groups:
+            group.destroy()
+        self.registry.forget()

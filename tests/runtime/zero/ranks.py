@@ -156,17 +156,17 @@ def memory_accounting(stage: int) -> dict[str, int]:
     torch.manual_seed(0)
     model = GPT(TINY_GPT)
     engine = _engine(model, stage, zero={"reduce_bucket_size": 4000, "overlap_comm": True})
-    strategy = engine.optimizer.strategy
+    (group,) = engine.strategy.groups  # one shard group: the data-parallel one
     x = torch.randint(TINY_GPT.vocab_size, (2, TINY_GPT.block_size))
     engine.backward(engine(x, x))
     held_model_grads = sum(p.grad.numel() for p in model.parameters() if p.grad is not None)
-    bucket_buffers = sum(b.size for b in strategy.buckets.buckets if b.buffer is not None)
-    spare_buffers = strategy.buckets.spare_numel()
-    grad_chunks = [g for g in strategy.grad_chunks if g is not None]
-    grad_buffers = [b.buffer for b in strategy.buckets.buckets if b.buffer is not None]
+    bucket_buffers = sum(b.size for b in group.buckets.buckets if b.buffer is not None)
+    spare_buffers = group.buckets.spare_numel()
+    grad_chunks = [g for g in group.grad_chunks if g is not None]
+    grad_buffers = [b.buffer for b in group.buckets.buckets if b.buffer is not None]
     engine.step()
     # stage 2 frees its gradient chunks with the step's zero_grad
-    grads_after_step = sum(g.numel() for g in strategy.grad_chunks if g is not None)
+    grads_after_step = sum(g.numel() for g in group.grad_chunks if g is not None)
     state_elems = {
         key: sum(s[key].numel() for s in engine.optimizer.state.values())
         for key in ("exp_avg", "exp_avg_sq")
@@ -181,13 +181,11 @@ def memory_accounting(stage: int) -> dict[str, int]:
         # the full gradient buffers)
         "grad_partition_copies": _numel_outside(grad_chunks, grad_buffers),
         "grad_partition_after_step": grads_after_step,
-        "master_partition": sum(m.numel() for m in strategy.master_chunks),
+        "master_partition": sum(m.numel() for m in group.master_chunks),
         # masters that are not the model's own memory (fp32 steps the parameter chunks)
-        "master_copies": _numel_outside(strategy.master_chunks, strategy.flat_params.buffers),
+        "master_copies": _numel_outside(group.master_chunks, group.flat_params.buffers),
         # parameters not stored in the flat buffers
-        "params_outside_flat": _numel_outside(
-            list(model.parameters()), strategy.flat_params.buffers
-        ),
+        "params_outside_flat": _numel_outside(list(model.parameters()), group.flat_params.buffers),
         "exp_avg": state_elems["exp_avg"],
         "exp_avg_sq": state_elems["exp_avg_sq"],
         "world": dist.get_world_size(),

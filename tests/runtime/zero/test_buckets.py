@@ -6,6 +6,8 @@ import torch
 from torch import nn
 
 from shardspeed.runtime.zero.buckets import GradBucket, GradientBuckets
+from shardspeed.runtime.zero.grad_storage import StagedStorage
+from shardspeed.runtime.zero.records import ParamRecord
 
 
 def test_single_parameter_bucket_adopts_its_gradient() -> None:
@@ -21,7 +23,8 @@ def test_single_parameter_bucket_adopts_its_gradient() -> None:
         launched[bucket.index] = (bucket.buffer.clone(), bucket.storage is None)
         buckets.release(bucket)
 
-    buckets = GradientBuckets([bias, weight, embed], 30, launch, pad_to=2, staged=True)
+    records = [ParamRecord(n, p) for n, p in (("bias", bias), ("weight", weight), ("embed", embed))]
+    buckets = GradientBuckets(records, 30, launch, pad_to=2, staged=StagedStorage())
     tokens = torch.tensor([0, 3, 3, 7])
     loss = (embed[tokens] @ weight + bias).square().sum()
     expected = torch.autograd.grad(loss, [bias, weight, embed], retain_graph=True)

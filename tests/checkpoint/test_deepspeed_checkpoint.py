@@ -14,13 +14,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from shardspeed.checkpoint.consolidate import get_fp32_state_dict_from_zero_checkpoint
 from shardspeed.checkpoint.ds_to_universal import convert
-from shardspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint, load_file
+from shardspeed.checkpoint.reader import load_file
+from tests.checkpoint.test_reshard import _full_state
 from tests.runtime.parity import make_task, rank_rows
 from tests.runtime.zero.ranks import _engine, _precision
-from tests.runtime.zero.test_reshard import _full_state
 
-FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 FIXTURE = FIXTURES / "deepspeed_zero2"
 
 

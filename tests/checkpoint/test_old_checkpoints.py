@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.runtime.zero.test_reshard import load_and_continue
+from tests.checkpoint.test_reshard import load_and_continue
 
-FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "shardspeed_7925258"
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "shardspeed_7925258"
 
 
 @pytest.mark.parametrize(

@@ -20,10 +20,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from shardspeed.checkpoint.consolidate import get_fp32_state_dict_from_zero_checkpoint
 from shardspeed.checkpoint.ds_to_universal import convert
-from shardspeed.runtime.zero.reshard import Resharder
+from shardspeed.checkpoint.reshard import Resharder
 from shardspeed.utils import logger, safe_get_full_fp32_param, safe_get_full_optimizer_state
-from shardspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from tests.runtime.parity import assert_close, make_task, param_setup, rank_rows
 from tests.runtime.zero.ranks import _engine, _precision
 

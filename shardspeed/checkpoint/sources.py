@@ -1,6 +1,6 @@
 """Every saved form of optimizer state, as the per-rank shards the re-partitioner reads.
 
-:class:`~shardspeed.runtime.zero.reshard.Resharder` reads shards in one form: a bucket layout,
+:class:`~shardspeed.checkpoint.reshard.Resharder` reads shards in one form: a bucket layout,
 fp32 chunks and flat per-element optimizer state per rank. A checkpoint tag holds its optimizer
 state in one of four forms, and :func:`saved_shards` finds which and hands back a reader:
 
@@ -10,7 +10,9 @@ state in one of four forms, and :func:`saved_shards` finds which and hands back 
 - a universal folder (:mod:`shardspeed.checkpoint.ds_to_universal`): each parameter whole under
   ``zero/<name>/``, again one bucket per parameter (:func:`universal_shard`);
 - DeepSpeed's own ZeRO 1/2 shards (``zero_pp_rank_*`` or, with bf16, ``bf16_zero_pp_rank_*``):
-  one bucket per parameter group (:func:`shard_from_deepspeed`).
+  one bucket per parameter group (:func:`shard_from_deepspeed`, :func:`deepspeed_partitions`).
+
+Needs only torch: this module is part of the standalone ``zero_to_fp32.py``.
 """
 
 from __future__ import annotations
@@ -21,20 +23,19 @@ from typing import Any
 
 import torch
 
-from shardspeed.checkpoint import UNIVERSAL_CHECKPOINT_INFO
-from shardspeed.runtime.zero.reshard import param_bucket
-from shardspeed.utils.zero_to_fp32 import (
+from shardspeed.checkpoint.files import (
     MODEL_STATES,
-    deepspeed_layout,
-    deepspeed_partitions,
-    load_file,
+    UNIVERSAL_CHECKPOINT_INFO,
+    UNIVERSAL_MASTER,
     shard_paths,
 )
-
-#: the file beside a checkpoint naming the newest universal tag
-LATEST_UNIVERSAL = "latest_universal"
-#: a universal parameter folder's file of fp32 weights (the others are named by state key)
-UNIVERSAL_MASTER = "fp32"
+from shardspeed.checkpoint.layout import (
+    StrategyState,
+    check_layout_version,
+    deepspeed_layout,
+    param_bucket,
+)
+from shardspeed.checkpoint.reader import load_file
 
 ShardReader = Callable[[int], dict[str, Any]]
 
@@ -54,6 +55,7 @@ def saved_shards(folder: Path, model_state: dict[str, Any]) -> tuple[ShardReader
                 "read (DeepSpeed without ZeRO, or its fp16 optimizer); DeepSpeed's ZeRO 1/2 "
                 "checkpoints load. Pass load_optimizer_states=False to take the module weights"
             )
+        check_layout_version(replicated["strategy"], str(folder / MODEL_STATES))
         shard = shard_from_replicated(replicated)
         return (lambda _: shard), 1
     deepspeed = "param_shapes" in model_state  # written by DeepSpeed's ZeRO 1/2
@@ -73,9 +75,10 @@ def saved_shards(folder: Path, model_state: dict[str, Any]) -> tuple[ShardReader
                 "load_optimizer_states=False to take the module weights only"
             )
         saved = load_file(paths[rank])["optimizer_state_dict"]
-        return (
-            shard_from_deepspeed(saved, model_state["param_shapes"], count) if deepspeed else saved
-        )
+        if deepspeed:
+            return shard_from_deepspeed(saved, model_state["param_shapes"], count)
+        check_layout_version(saved["strategy"], str(paths[rank]))
+        return saved
 
     return read, count
 
@@ -121,10 +124,11 @@ def universal_shard(folder: Path, info: dict[str, Any]) -> dict[str, Any]:
         layout.append(param_bucket(group, index, name, master.numel()))
         chunks.append(master)
         states[index] = _flattened(values)
+    strategy: StrategyState = {"layout": layout, "fp32_chunks": chunks, "dp_world_size": 1}
     return {
         "optimizer": {"state": states, "param_groups": info["param_groups"]},
         "loss_scaler": info["loss_scaler"],
-        "strategy": {"layout": layout, "fp32_chunks": chunks, "dp_world_size": 1},
+        "strategy": strategy,
     }
 
 
@@ -132,20 +136,28 @@ def shard_from_deepspeed(
     saved: dict[str, Any], param_shapes: list[dict[str, Any]], count: int
 ) -> dict[str, Any]:
     """One rank's ``optimizer_state_dict`` from a DeepSpeed ZeRO 1/2 checkpoint, as a shard of
-    the re-partitioner's form. DeepSpeed flattens each parameter group's parameters in the order of the
-    model file's ``param_shapes`` (padding at the end) and splits the flat group into ``count``
-    equal partitions: one bucket per group, whose fp32 partition is
+    the re-partitioner's form. DeepSpeed flattens each parameter group's parameters in the
+    order of the model file's ``param_shapes`` (padding at the end) and splits the flat group
+    into ``count`` equal partitions: one bucket per group, whose fp32 partition is
     ``single_partition_of_fp32_groups[g]`` and whose optimizer state is the base optimizer's
     state of its one flat parameter ``g``."""
     fp32 = deepspeed_partitions(saved)
     layout = deepspeed_layout(param_shapes, [p.numel() for p in fp32], count)
     scaler = saved.get("loss_scaler")
+    strategy: StrategyState = {"layout": layout, "dp_world_size": count, "fp32_chunks": fp32}
     return {
         "optimizer": saved["base_optimizer_state"],
         "loss_scaler": dict(vars(scaler)) if scaler is not None else {"cur_scale": 1.0},
-        "strategy": {
-            "layout": layout,
-            "dp_world_size": count,
-            "fp32_chunks": fp32,
-        },
+        "strategy": strategy,
     }
+
+
+def deepspeed_partitions(saved: dict[str, Any]) -> list[torch.Tensor]:
+    """The fp32 partitions of a DeepSpeed ZeRO 1/2 shard's ``optimizer_state_dict``."""
+    if "single_partition_of_fp32_groups" not in saved:
+        raise ValueError(
+            "this shard was written by a DeepSpeed optimizer whose format shardspeed does not "
+            "read yet (its bf16 optimizer, used with ZeRO 0/1); DeepSpeed's ZeRO 1/2 "
+            "checkpoints load. Pass load_optimizer_states=False to take the module weights"
+        )
+    return list(saved["single_partition_of_fp32_groups"])

@@ -2,19 +2,19 @@
 stage (0, 1 or 2).
 
 Every rank of a stage 1/2 job saves its chunk of each bucket (fp32 masters, per-element optimizer
-state) together with the bucket layout: which parameter, by name, sits at which offset of which
-bucket, and the bucket's padded size. That is enough to find any element of any parameter in the
-saved shards, so a job with ``N'`` ranks or other bucket sizes can build each rank's new chunks
-directly: for every parameter piece of its new chunk, copy the matching range of the old flat
-bucket, which spans one or more old ranks' chunks. Shards are opened memory-mapped (see
-:func:`shardspeed.runtime.checkpointer.load`), so a rank reads the ranges it needs, not every
-shard whole.
+state) together with the bucket layout (:mod:`.layout`): which parameter, by name, sits at which
+offset of which bucket, and the bucket's padded size. That is enough to find any element of any
+parameter in the saved shards, so a job with ``N'`` ranks or other bucket sizes can build each
+rank's new chunks directly: for every parameter piece of its new chunk, copy the matching range
+of the old flat bucket, which spans one or more old ranks' chunks. Shards are opened
+memory-mapped (:func:`~shardspeed.checkpoint.reader.load_file`), so a rank reads the ranges it
+needs, not every shard whole.
 
 Stage 0 fits the same scheme as a one-rank job whose every parameter is a bucket of its own
-(:func:`replicated_layout`), and a stage 0 run gathers shards through that one-rank layout and
-reshapes the result (:func:`replicated_from_shard`). Every saved form (stage 0's whole state,
-universal folders, DeepSpeed's own shards) is turned into shards of this form by
-:mod:`~shardspeed.runtime.zero.shard_sources`.
+(:func:`~shardspeed.checkpoint.layout.replicated_layout`), and a stage 0 run gathers shards
+through that one-rank layout and reshapes the result (:func:`replicated_from_shard`). Every saved
+form (stage 0's whole state, universal folders, DeepSpeed's own shards) is turned into shards of
+this form by :mod:`.sources`.
 
 Per-element optimizer state is every 1-D tensor of a bucket's state with the chunk's length
 (Adam's ``exp_avg``/``exp_avg_sq``, Adagrad's sum, ...); anything else (``step``) is the same for
@@ -30,11 +30,7 @@ from typing import Any
 
 import torch
 
-from shardspeed.utils.zero_to_fp32 import chunk_ranges
-
-#: a bucket's layout as saved: ``{"group", "size", "state_index", "params": [[name, offset,
-#: numel], ...]}`` (plain Python, so checkpoints stay readable without shardspeed)
-BucketLayout = dict[str, Any]
+from shardspeed.checkpoint.layout import BucketLayout, check_layout_version, chunk_ranges
 
 
 @dataclass(frozen=True)
@@ -43,11 +39,6 @@ class _Source:
 
     bucket: int
     offset: int
-
-
-def layouts_match(saved: dict[str, Any], layout: list[BucketLayout], world: int) -> bool:
-    """Whether a rank's saved strategy state has exactly this run's partitioning."""
-    return saved.get("dp_world_size") == world and saved.get("layout") == layout
 
 
 class Resharder:
@@ -86,9 +77,12 @@ class Resharder:
         }
 
     def shard(self, rank: int) -> dict[str, Any]:
-        """Rank ``rank``'s saved state, read on first use."""
+        """Rank ``rank``'s saved state, read on first use (a layout version newer than this
+        shardspeed reads is refused)."""
         if rank not in self._loaded:
-            self._loaded[rank] = self._load(rank)
+            shard = self._load(rank)
+            check_layout_version(shard["strategy"], f"the optimizer shard of rank {rank}")
+            self._loaded[rank] = shard
         return self._loaded[rank]
 
     def state_for(
@@ -233,28 +227,6 @@ class Resharder:
                 out[position : position + piece.numel()] = piece
                 position += piece.numel()
         return out
-
-
-# -- stage 0: the optimizer state whole, one "bucket" per parameter ------------------------------
-def param_bucket(group: int, state_index: int, name: str, numel: int) -> BucketLayout:
-    """A bucket holding one whole parameter (stage 0's layout, universal checkpoints)."""
-    return {"group": group, "size": numel, "state_index": state_index, "params": [[name, 0, numel]]}
-
-
-def replicated_layout(
-    param_groups: list[dict[str, Any]], name_of: Callable[[torch.Tensor], str | None]
-) -> list[BucketLayout]:
-    """The layout of a replicated optimizer: each trainable tensor it steps is a bucket of its
-    own (``name_of`` names it; None for a frozen one, which is left out but keeps its index in
-    torch's state numbering)."""
-    layout, index = [], 0
-    for group_index, group in enumerate(param_groups):
-        for tensor in group["params"]:
-            name = name_of(tensor)
-            if name is not None:
-                layout.append(param_bucket(group_index, index, name, tensor.numel()))
-            index += 1
-    return layout
 
 
 def replicated_from_shard(

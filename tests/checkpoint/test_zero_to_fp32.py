@@ -3,7 +3,7 @@
 Ranks train a tiny GPT (tied embeddings, a registered buffer, optionally a frozen layer), save,
 and rank 0 records every parameter's full fp32 master through ``safe_get_full_fp32_param``. The
 consolidated state_dict must equal that record bit for bit, in-process and through the script
-``save_checkpoint`` copies next to the checkpoint (run with a plain ``python``, sharded output).
+``save_checkpoint`` writes next to the checkpoint (run with a plain ``python``, sharded output).
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardspeed.utils import safe_get_full_fp32_param
-from shardspeed.utils.zero_to_fp32 import (
+from shardspeed.checkpoint.consolidate import (
     _parse_size,
     convert_zero_checkpoint_to_fp32_state_dict,
     get_fp32_state_dict_from_zero_checkpoint,
     load_state_dict_from_zero_checkpoint,
 )
+from shardspeed.utils import safe_get_full_fp32_param
 from tests.runtime.parity import make_task
 from tests.runtime.zero.ranks import _engine, _precision, _train
 
@@ -147,3 +147,29 @@ def test_clone_tensors_for_torch_save_drops_the_flat_buffer(tmp_path):
     torch.save(lean, tmp_path / "lean.pt")
     # the views drag the whole 4000-byte storage along; the clones hold 80 bytes each
     assert (tmp_path / "fat.pt").stat().st_size > (tmp_path / "lean.pt").stat().st_size + 3000
+
+
+def test_deepspeed_path_reexports_the_package(tmp_path):
+    """``shardspeed.utils.zero_to_fp32`` (DeepSpeed's path, a command and a console script)
+    hands out the package's own functions."""
+    from shardspeed.checkpoint import consolidate
+    from shardspeed.utils import zero_to_fp32
+
+    assert zero_to_fp32.__all__
+    for name in zero_to_fp32.__all__:
+        assert getattr(zero_to_fp32, name) is getattr(consolidate, name), name
+    pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    assert '\nshardspeed-zero-to-fp32 = "shardspeed.utils.zero_to_fp32:main"\n' in pyproject
+    fixture = Path(__file__).resolve().parents[1] / "fixtures" / "deepspeed_zero2"
+    run = subprocess.run(
+        [sys.executable, "-m", "shardspeed.utils.zero_to_fp32", str(fixture), str(tmp_path)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    written = torch.load(tmp_path / "pytorch_model.bin", weights_only=True)
+    expected = get_fp32_state_dict_from_zero_checkpoint(fixture)
+    assert written.keys() == expected.keys()
+    assert all(torch.equal(written[k], v) for k, v in expected.items())

@@ -1,0 +1,70 @@
+"""Where a checkpoint's parts lie on disk: DeepSpeed's file and folder names, and finding a tag.
+
+``save_dir/<tag>/`` holds the model-states file (:data:`MODEL_STATES`) and, where the optimizer
+state is partitioned, one optimizer shard per data-parallel rank (:data:`OPTIM_SHARD`);
+``save_dir/latest`` names the newest tag and ``save_dir/latest_universal`` the newest universal
+one. Standard library only: this module is part of the standalone ``zero_to_fp32.py``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+#: the model-states file of a tag: module weights, counters, client state (and stage 0's
+#: optimizer state)
+MODEL_STATES = "mp_rank_00_model_states.pt"
+#: one data-parallel rank's optimizer shard (stages 1/2), by rank
+OPTIM_SHARD = "zero_pp_rank_{}_mp_rank_00_optim_states.pt"
+#: the file beside the tags naming the newest one
+LATEST_FILE = "latest"
+#: the file beside a checkpoint naming the newest universal tag
+LATEST_UNIVERSAL = "latest_universal"
+#: a universal parameter folder's file of fp32 weights (the others are named by state key)
+UNIVERSAL_MASTER = "fp32"
+#: the model-states key a universal checkpoint (:mod:`.ds_to_universal`) adds
+UNIVERSAL_CHECKPOINT_INFO = "universal_checkpoint_info"
+
+
+def shard_paths(folder: Path, count: int) -> list[Path]:
+    """The optimizer shard of each of ``count`` ranks: ``zero_pp_rank_*``, or DeepSpeed's
+    ``bf16_zero_pp_rank_*`` (its name for the same files when bf16 is on)."""
+    plain = [folder / OPTIM_SHARD.format(rank) for rank in range(count)]
+    bf16 = [p.with_name("bf16_" + p.name) for p in plain]
+    return bf16 if not plain[0].is_file() and bf16[0].is_file() else plain
+
+
+def tag_folder(checkpoint_dir: str | os.PathLike[str], tag: str | None) -> Path:
+    """The folder of checkpoint ``tag`` in ``checkpoint_dir`` (``tag=None``: the one ``latest``
+    names), which must hold a model-states file."""
+    root = Path(checkpoint_dir)
+    if tag is None:
+        latest = root / LATEST_FILE
+        if not latest.is_file():
+            raise FileNotFoundError(
+                f"no 'latest' file in {root}: pass tag= (one of the sub-directories, e.g. "
+                "global_step14), or point checkpoint_dir at the directory save_checkpoint wrote"
+            )
+        tag = latest.read_text().strip()
+    folder = root / str(tag)
+    if not (folder / MODEL_STATES).is_file():
+        raise FileNotFoundError(f"{folder / MODEL_STATES} does not exist: not a checkpoint tag")
+    return folder
+
+
+def resolve_tag(load_dir: str, tag: str | None, universal: bool = False) -> str | None:
+    """The tag to load: the one given, else the one named in ``latest`` (None if absent), or
+    with ``universal`` (``checkpoint.load_universal``) in ``latest_universal`` (which must
+    exist, as DeepSpeed requires)."""
+    if tag is not None:
+        return str(tag)
+    if universal:
+        latest = Path(load_dir) / LATEST_UNIVERSAL
+        if not latest.is_file():
+            raise ValueError(
+                f"checkpoint.load_universal is set but {latest} does not exist: convert the "
+                "checkpoint with python -m shardspeed.checkpoint.ds_to_universal, or pass tag="
+            )
+        return latest.read_text().strip()
+    latest = Path(load_dir) / LATEST_FILE
+    return latest.read_text().strip() if latest.is_file() else None

@@ -1,0 +1,132 @@
+"""Building an engine's parts from the config, once: the rank grid, the precision policy, the
+ZeRO strategy (always, also with no optimizer), the optimizer and its wrapper, the LR scheduler,
+the data loader and the monitors. :func:`shardspeed.initialize` calls :func:`assemble` and hands
+the result to :class:`~shardspeed.runtime.engine.DeepSpeedEngine`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardspeed import comm
+from shardspeed.accelerator import get_accelerator
+from shardspeed.config import DeepSpeedConfig
+from shardspeed.runtime import checkpointer
+from shardspeed.runtime.dataloader import build_dataloader
+from shardspeed.runtime.engine_monitoring import EngineObservability
+from shardspeed.runtime.engine_parts import EngineParts
+from shardspeed.runtime.optimizer_setup import build_basic_optimizer, build_lr_scheduler
+from shardspeed.runtime.precision.loss_scaler import loss_scaler_for_policy
+from shardspeed.runtime.precision.policy import PrecisionPolicy
+from shardspeed.runtime.train_state import TrainState
+from shardspeed.runtime.zero.comm_group import CommGroup
+from shardspeed.runtime.zero.optimizer import ZeroOptimizer
+from shardspeed.runtime.zero.reduce_options import GradReduceOptions
+from shardspeed.runtime.zero.registry import build_strategy
+from shardspeed.runtime.zero.strategy import StrategyContext, ZeroStrategy
+
+
+def data_parallel_group(mpu: Any) -> tuple[CommGroup, Any]:
+    """The data-parallel group (``mpu``'s, else every rank on one ``data`` axis) and the
+    topology shardspeed built for it (None with an ``mpu``)."""
+    topology = None
+    if mpu is not None:
+        group = mpu.get_data_parallel_group()
+    else:
+        topology = comm.Topology(axes={"data": comm.get_world_size()})
+        group = topology.get_group("data")
+    return CommGroup(group, comm.get_rank(group), comm.get_world_size(group)), topology
+
+
+def strategy_context(
+    config: DeepSpeedConfig, precision: PrecisionPolicy, dp: CommGroup, device: torch.device
+) -> StrategyContext:
+    """What the ZeRO strategy needs from the config."""
+    zero = config.zero_optimization
+    return StrategyContext(
+        precision=precision,
+        reduce=GradReduceOptions(
+            prescale_gradients=config.prescale_gradients,
+            gradient_predivide_factor=config.gradient_predivide_factor,
+            communication_data_type=precision.comm_dtype,
+            bucket_size=int(zero.reduce_bucket_size),
+            overlap_comm=bool(zero.overlap_comm),
+        ),
+        data_parallel=dp,
+        device=device,
+        zero_config=zero,
+        allow_untested_optimizer=bool(config.zero_allow_untested_optimizer),
+        grad_accum_dtype=config.data_types.grad_accum_dtype,
+    )
+
+
+def wrap_optimizer(
+    strategy: ZeroStrategy, config: DeepSpeedConfig, precision: PrecisionPolicy
+) -> ZeroOptimizer:
+    """The optimizer the user gets: the strategy's bound optimizer with loss scaling,
+    overflow checks and clipping."""
+    return ZeroOptimizer(
+        strategy,
+        loss_scaler_for_policy(precision, config.fp16),
+        gradient_clipping=float(config.gradient_clipping),
+        check_overflow=precision.needs_loss_scaling,
+    )
+
+
+def assemble(
+    config: DeepSpeedConfig,
+    model: nn.Module,
+    *,
+    args: Any = None,
+    optimizer: Any = None,
+    model_parameters: Any = None,
+    training_data: Any = None,
+    lr_scheduler: Any = None,
+    mpu: Any = None,
+    collate_fn: Any = None,
+    dont_change_device: bool = False,
+) -> EngineParts:
+    """Every part of an engine for ``model`` under ``config``."""
+    checkpointer.check_config(config)
+    dp, topology = data_parallel_group(mpu)
+    precision = PrecisionPolicy.from_sections(
+        config.fp16, config.bf16, config.torch_autocast, config.communication_data_type
+    )
+    device = torch.device(get_accelerator().current_device_name())
+    strategy = build_strategy(model, strategy_context(config, precision, dp, device))
+    strategy.place_module(move=not dont_change_device)
+    params = model_parameters if model_parameters is not None else model.parameters()
+    basic_optimizer = build_basic_optimizer(optimizer, params, config)
+    wrapped = None
+    if basic_optimizer is not None:
+        strategy.bind_optimizer(basic_optimizer)
+        wrapped = wrap_optimizer(strategy, config, precision)
+    state = TrainState()
+    loader = None
+    if training_data is not None:
+        loader = build_dataloader(
+            training_data, config, dp.world_size, dp.rank, collate_fn=collate_fn
+        )
+    return EngineParts(
+        config=config,
+        module=model,
+        device=device,
+        precision=precision,
+        data_parallel=dp,
+        global_rank=comm.get_rank(),
+        strategy=strategy,
+        optimizer=wrapped,
+        basic_optimizer=basic_optimizer,
+        lr_scheduler=build_lr_scheduler(lr_scheduler, config, basic_optimizer),
+        training_dataloader=loader,
+        observability=EngineObservability(
+            config, model, state, dp, comm.get_rank(), precision.needs_loss_scaling
+        ),
+        state=state,
+        topology=topology,
+        args=args,
+        mpu=mpu,
+        collate_fn=collate_fn,
+    )

@@ -1,0 +1,64 @@
+"""How gradients are averaged across a shard group: DeepSpeed's knobs and the arithmetic they
+imply, shared by every kind of shard group."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shardspeed.runtime.precision.policy import PrecisionPolicy
+
+
+@dataclass(frozen=True)
+class GradReduceOptions:
+    """How gradients are averaged across the data-parallel group (DeepSpeed's knobs)."""
+
+    prescale_gradients: bool = False
+    gradient_predivide_factor: float = 1.0
+    communication_data_type: torch.dtype | None = None
+    bucket_size: int = 500_000_000
+    overlap_comm: bool = True
+
+    def scale_factors(self, world: int) -> tuple[float, float]:
+        """(factor before, factor after) the sum-reduction over ``world`` ranks: prescaling
+        divides by the world size up front; otherwise divide by ``gradient_predivide_factor``
+        before and by ``world / predivide`` after."""
+        if self.prescale_gradients:
+            return 1.0 / world, 1.0
+        predivide = self.gradient_predivide_factor
+        return 1.0 / predivide, predivide / world
+
+
+def comm_source(
+    buffer: torch.Tensor, comm_dtype: torch.dtype | None, pre_scale: float
+) -> torch.Tensor:
+    """What to send for ``buffer``: cast to ``comm_dtype`` if one is set (a copy), then
+    multiplied by the pre-reduction factor in place."""
+    if comm_dtype is not None and comm_dtype != buffer.dtype:
+        buffer = buffer.to(comm_dtype)
+    if pre_scale != 1.0:
+        buffer.mul_(pre_scale)
+    return buffer
+
+
+def scale_grads_(grads: list[torch.Tensor], coef: torch.Tensor) -> None:
+    """Multiply every gradient in ``grads`` by the 0-dim ``coef`` in place (clipping)."""
+    if grads:
+        torch._foreach_mul_(grads, coef.to(grads[0].device))
+
+
+def accumulation_dtype(
+    policy: PrecisionPolicy, requested: torch.dtype | None, default: torch.dtype
+) -> torch.dtype:
+    """``data_types.grad_accum_dtype`` if given (``requested``), else ``default``; it must be
+    the model's dtype or the fp32 master dtype."""
+    chosen = requested or default
+    allowed = {policy.param_dtype, policy.master_dtype}
+    if chosen not in allowed:
+        names = " or ".join(sorted(str(d).removeprefix("torch.") for d in allowed))
+        raise ValueError(
+            f"data_types.grad_accum_dtype={str(chosen).removeprefix('torch.')} is not "
+            f"supported with this precision setup; use {names}"
+        )
+    return chosen
