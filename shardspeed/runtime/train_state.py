@@ -35,7 +35,8 @@ class TrainState:
 
     def end_optimizer_step(self, applied: bool, samples: int) -> None:
         self.step_applied = applied
-        self.skipped_steps += 0 if applied else 1
+        if not applied:
+            self.skipped_steps += 1
         self.global_steps += 1
         self.global_samples += samples
 
