@@ -18,6 +18,7 @@ from shardspeed.runtime.dataloader import build_dataloader
 from shardspeed.runtime.engine_monitoring import EngineObservability
 from shardspeed.runtime.engine_parts import EngineParts
 from shardspeed.runtime.optimizer_setup import build_basic_optimizer, build_lr_scheduler
+from shardspeed.runtime.precision.autocast import init_autocast_params
 from shardspeed.runtime.precision.loss_scaler import loss_scaler_for_policy
 from shardspeed.runtime.precision.policy import PrecisionPolicy
 from shardspeed.runtime.train_state import TrainState
@@ -94,6 +95,11 @@ def assemble(
     precision = PrecisionPolicy.from_sections(
         config.fp16, config.bf16, config.torch_autocast, config.communication_data_type
     )
+    if precision.autocast_dtype is not None:
+        # DeepSpeed's module-level record, for user code that asks get_comm_dtype(param)
+        init_autocast_params(
+            model, precision.autocast_dtype, list(precision.lower_precision_safe_modules)
+        )
     device = torch.device(get_accelerator().current_device_name())
     strategy = build_strategy(model, strategy_context(config, precision, dp, device))
     strategy.place_module(move=not dont_change_device)

@@ -2,7 +2,8 @@
 
 In torch_autocast mode parameters stay fp32 and forward runs under ``torch.autocast``. The
 parameters of "lower-precision-safe" modules (``torch.nn.Linear`` and the convolutions by default)
-may be communicated in the autocast dtype; :func:`get_comm_dtype` tells the ZeRO layer which.
+may be communicated in the autocast dtype: the ZeRO strategy marks their records from
+:func:`lower_precision_safe_params`, and :func:`get_comm_dtype` answers user code that asks.
 
 DeepSpeed documents these as module functions, so the state they share lives in one small
 module-level object, :data:`_STATE`, instead of attributes bolted onto parameters.
@@ -32,6 +33,7 @@ __all__ = [
     "has_comm_dtype",
     "init_autocast_params",
     "is_autocast_initialized",
+    "lower_precision_safe_params",
     "reset_autocast_state",
     "sort_dtypes",
 ]
@@ -120,17 +122,26 @@ def init_autocast_params(
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"init_autocast_params needs an engine or nn.Module, got {type(engine)}")
     _validate_engine(engine, model)
-    names = torch_autocast_lower_precision_safe_modules
-    if names is None:
-        names = get_default_autocast_lower_precision_modules()
+    for param in lower_precision_safe_params(model, torch_autocast_lower_precision_safe_modules):
+        _STATE.comm_dtypes[param] = dtype
+    _STATE.dtype = dtype
+    _STATE.initialized = True
+
+
+def lower_precision_safe_params(
+    model: torch.nn.Module, module_names: Iterable[str] | None
+) -> list[torch.nn.Parameter]:
+    """The parameters owned directly by a module whose class is exactly one of ``module_names``
+    (qualified class names; the defaults when ``None``): those whose gradients may be
+    communicated in the autocast dtype."""
+    names = get_default_autocast_lower_precision_modules() if module_names is None else module_names
     safe_classes = {_resolve_module_class(name) for name in names}
+    params: list[torch.nn.Parameter] = []
     for module in model.modules():
         # Exact class match, as DeepSpeed does: a subclass may add ops that are not safe.
         if type(module) in safe_classes:
-            for param in module.parameters(recurse=False):
-                _STATE.comm_dtypes[param] = dtype
-    _STATE.dtype = dtype
-    _STATE.initialized = True
+            params.extend(module.parameters(recurse=False))
+    return params
 
 
 def has_comm_dtype(param: torch.Tensor) -> bool:

@@ -50,6 +50,8 @@ class GradBucket:
     mode: GradStorage | None = field(default=None, repr=False)
     #: the ``split_key`` its parameters share (their optimizer parameter group)
     key: Hashable = None
+    #: the dtype its gradients are communicated in (None: ``dtype``)
+    comm_dtype: torch.dtype | None = None
 
     def flat(self) -> torch.Tensor:
         """The flat buffer, which must be allocated (always so in persistent modes)."""
@@ -75,26 +77,44 @@ def _partition_into_buckets(
     bucket_size: int,
     split_key: Callable[[ParamRecord], Hashable] | None = None,
 ) -> list[list[ParamRecord]]:
-    """Consecutive runs of same-dtype, same-device, same-``split_key`` parameters of at most
-    ``bucket_size`` elements (a single larger parameter gets a bucket of its own)."""
-    runs: list[list[ParamRecord]] = []
-    current: list[ParamRecord] = []
-    size = 0
+    """Runs of at most ``bucket_size`` elements (a single larger parameter gets a run of its own).
+
+    A change of dtype, device or ``split_key`` ends every run. Within a stretch where those stay
+    the same, parameters with different communication dtypes (torch_autocast interleaves Linear
+    and LayerNorm parameters) fill one open run per comm dtype, as DeepSpeed keeps one bucket
+    per dtype, instead of cutting a small run at every change. Runs are ordered by their last
+    parameter, about when backward completes them."""
 
     def key(record: ParamRecord) -> tuple[Any, ...]:
         param = record.param
         return (param.dtype, param.device, None if split_key is None else split_key(record))
 
+    runs: list[list[ParamRecord]] = []
+    stretch: list[ParamRecord] = []
     for record in records:
-        key_changed = bool(current) and key(record) != key(current[0])
-        if current and (key_changed or size + record.numel > bucket_size):
-            runs.append(current)
-            current, size = [], 0
-        current.append(record)
-        size += record.numel
-    if current:
-        runs.append(current)
+        if stretch and key(record) != key(stretch[0]):
+            runs.extend(_fill_runs(stretch, bucket_size))
+            stretch = []
+        stretch.append(record)
+    if stretch:
+        runs.extend(_fill_runs(stretch, bucket_size))
     return runs
+
+
+def _fill_runs(records: list[ParamRecord], bucket_size: int) -> list[list[ParamRecord]]:
+    """Size-bounded runs of ``records``, one open run per communication dtype."""
+    position = {id(record): index for index, record in enumerate(records)}
+    closed: list[list[ParamRecord]] = []
+    open_runs: dict[torch.dtype | None, tuple[list[ParamRecord], int]] = {}
+    for record in records:
+        run, size = open_runs.get(record.comm_dtype, ([], 0))
+        if run and size + record.numel > bucket_size:
+            closed.append(run)
+            run, size = [], 0
+        run.append(record)
+        open_runs[record.comm_dtype] = (run, size + record.numel)
+    closed.extend(run for run, _ in open_runs.values())
+    return sorted(closed, key=lambda run: position[id(run[-1])])
 
 
 class GradientBuckets:
@@ -137,6 +157,7 @@ class GradientBuckets:
             for record in run:
                 record.bucket = bucket
             bucket.key = None if split_key is None else split_key(run[0])
+            bucket.comm_dtype = run[0].comm_dtype
             bucket.mode = staged if staged is not None else persistent_storage(bucket)
             self.buckets.append(bucket)
         self._next_launch = 0

@@ -191,7 +191,7 @@ class PartitionedGroup(ShardGroup):
 
     def _launch(self, bucket: GradBucket) -> None:
         assert bucket.buffer is not None
-        source = comm_source(bucket.buffer, self.comm_dtype, self.pre_scale)
+        source = comm_source(bucket.buffer, bucket.comm_dtype, self.pre_scale)
         target, overwrite = self.mode.target(self, bucket)
         direct = overwrite and target.dtype == source.dtype
         output = target if direct else torch.empty_like(target, dtype=source.dtype)

@@ -62,7 +62,7 @@ class ReplicatedGroup(ShardGroup):
         self.buckets.begin(reduce and self.comm.partitioned)
 
     def _launch(self, bucket: GradBucket) -> None:
-        staging = comm_source(bucket.flat(), self.comm_dtype, self.pre_scale)
+        staging = comm_source(bucket.flat(), bucket.comm_dtype, self.pre_scale)
         work = comm.all_reduce(staging, group=self.comm.group, async_op=True)
         self.inflight.add(work, partial(self._finish, bucket, staging))
 

@@ -1,9 +1,9 @@
 """A shard group: parameters that reduce (and, partitioned, step) together over one process group.
 
 A group owns its :class:`~shardspeed.runtime.zero.comm_group.CommGroup` (process group, rank,
-world size), its gradient buckets, its fp32 masters, its collectives in flight, its
-:class:`~shardspeed.runtime.zero.placement.Placement` and its communication dtype. A strategy is
-a composition of groups: stage 0 one :class:`~.replicated_group.ReplicatedGroup`, stages 1 and 2
+world size), its gradient buckets, its fp32 masters, its collectives in flight and its
+:class:`~shardspeed.runtime.zero.placement.Placement`; each bucket knows the dtype its gradients
+travel in (its records' communication dtype). A strategy is a composition of groups: stage 0 one :class:`~.replicated_group.ReplicatedGroup`, stages 1 and 2
 one :class:`~.partitioned_group.PartitionedGroup` (their gradient modes differ); Mixture of
 Experts adds a group on the expert-data-parallel process group, stage 3 a group that also shards
 parameters. The strategy calls every group's verbs in turn; nothing outside a group knows how it
@@ -80,11 +80,10 @@ class ShardGroup(ABC):
         self.placement = placement
         self.options = options
         self.pre_scale, self.post_scale = options.reduce.scale_factors(comm.world_size)
-        #: dtype gradients travel in (None: the bucket's own)
-        self.comm_dtype = options.reduce.communication_data_type
         for record in self.records:
             record.group = self
-            record.comm_dtype = self.comm_dtype
+            if record.comm_dtype is None:  # torch_autocast may have chosen one per parameter
+                record.comm_dtype = options.reduce.communication_data_type
         self.inflight = Inflight(self.inflight_limit())
         self.buckets: GradientBuckets = self.build_buckets()
         self.masters: MasterWeights = self.build_masters()

@@ -40,6 +40,7 @@ from torch import nn
 
 from shardspeed import comm
 from shardspeed.checkpoint.layout import versioned
+from shardspeed.runtime.precision.autocast import lower_precision_safe_params
 from shardspeed.runtime.precision.policy import PrecisionPolicy
 from shardspeed.runtime.zero.comm_group import CommGroup
 from shardspeed.runtime.zero.grad_norm import GradSquares
@@ -97,9 +98,20 @@ class ZeroStrategy:
         self.module = module
         self.ctx = ctx
         self.registry = ParamRegistry(module, self)
+        self._mark_autocast_comm_dtypes()
         self.placement = Placement.on(ctx.device)
         self.groups: list[ShardGroup] = []
         self.optimizer: torch.optim.Optimizer | None = None
+
+    def _mark_autocast_comm_dtypes(self) -> None:
+        """torch_autocast: gradients of lower-precision-safe modules' parameters travel in the
+        autocast dtype (DeepSpeed's behaviour); the rest in ``communication_data_type`` or
+        their own dtype."""
+        policy = self.ctx.precision
+        if policy.autocast_dtype is None:
+            return
+        for param in lower_precision_safe_params(self.module, policy.lower_precision_safe_modules):
+            self.registry[param].comm_dtype = policy.autocast_dtype
 
     # -- the module -------------------------------------------------------------------------
     def place_module(self, move: bool = True) -> None:

@@ -44,3 +44,23 @@ def test_single_parameter_bucket_adopts_its_gradient() -> None:
     buckets.drop_spares()
     assert buckets.spare_numel() == 0
     buckets.remove_hooks()
+
+
+def test_interleaved_comm_dtypes_fill_one_open_bucket_each() -> None:
+    """Linear/LayerNorm parameters alternate comm dtypes under torch_autocast: each dtype fills
+    its own bucket (bounded by the size) instead of a bucket being cut at every change, and
+    buckets are ordered by when their last parameter arrives."""
+    sizes = [4, 2, 4, 2, 4, 2]
+    records = [ParamRecord(f"p{i}", nn.Parameter(torch.zeros(n))) for i, n in enumerate(sizes)]
+    for i, record in enumerate(records):
+        record.comm_dtype = torch.bfloat16 if i % 2 == 0 else None
+    buckets = GradientBuckets(records, 8, lambda bucket: None)
+    layout = [([r for r in records if r.bucket is b], b.comm_dtype) for b in buckets.buckets]
+    names = [([r.name for r in rs], dtype) for rs, dtype in layout]
+    assert names == [
+        (["p0", "p2"], torch.bfloat16),
+        (["p4"], torch.bfloat16),
+        (["p1", "p3", "p5"], None),
+    ]
+    assert [r.offset for r in records] == [0, 0, 4, 2, 0, 4]
+    buckets.remove_hooks()
