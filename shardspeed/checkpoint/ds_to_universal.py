@@ -11,6 +11,11 @@ each parameter is in, the loss scaler). ``latest_universal`` beside the output f
 ``"checkpoint": {"load_universal": true}`` makes ``load_checkpoint`` read that tag. Nothing in it
 depends on the data-parallel size, bucket size or ZeRO stage of either job.
 
+The converter reads its input through the safe reader (no pickled code runs;
+``--allow_unsafe_pickle`` for a trusted legacy input) after checking it against its manifest, and
+writes its output like a save: into a staging folder, each file durably, a manifest last, then
+renamed into place (:mod:`shardspeed.checkpoint.commit`).
+
 shardspeed's own checkpoints already load under another world size or stage (each rank
 re-partitions the shards): the universal form is for tools that want each parameter whole.
 """
@@ -20,8 +25,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import torch
-
+from shardspeed.checkpoint import durable
+from shardspeed.checkpoint.commit import clear_staging, commit, open_staging
+from shardspeed.checkpoint.file_writer import save_file
 from shardspeed.checkpoint.files import (
     LATEST_UNIVERSAL,
     MODEL_STATES,
@@ -29,17 +35,21 @@ from shardspeed.checkpoint.files import (
     UNIVERSAL_MASTER,
 )
 from shardspeed.checkpoint.layout import param_bucket
+from shardspeed.checkpoint.manifest import FileRecord, check_tag
 from shardspeed.checkpoint.reader import load_file
 from shardspeed.checkpoint.reshard import Resharder, replicated_from_shard
 from shardspeed.checkpoint.sources import saved_shards
 
 
-def convert(input_folder: str | Path, output_folder: str | Path) -> Path:
+def convert(
+    input_folder: str | Path, output_folder: str | Path, allow_unsafe_pickle: bool = False
+) -> Path:
     """Write the universal form of the checkpoint tag folder ``input_folder`` (shardspeed's,
     of any stage, or DeepSpeed's ZeRO 1/2)."""
     source, out = Path(input_folder), Path(output_folder)
-    model = load_file(source / MODEL_STATES)
-    shards = saved_shards(source, model)
+    check_tag(source)
+    model = load_file(source / MODEL_STATES, allow_unsafe_pickle=allow_unsafe_pickle)
+    shards = saved_shards(source, model, allow_unsafe_pickle)
     if shards is None:
         raise ValueError(f"{source} holds no optimizer state to convert")
     resharder = Resharder(*shards, model["module"])
@@ -53,12 +63,15 @@ def convert(input_folder: str | Path, output_folder: str | Path) -> Path:
         for g in range(len(state["optimizer"]["param_groups"]))
     ]
     optimizer, masters = replicated_from_shard(state, whole, shapes, groups)
+    clear_staging(str(out.parent), out.name)
+    staging = open_staging(str(out.parent), out.name)
+    records: list[FileRecord] = []
     for bucket, master in zip(whole, masters, strict=True):
-        folder = out / "zero" / bucket["params"][0][0]
-        folder.mkdir(parents=True, exist_ok=True)
+        name = bucket["params"][0][0]
+        (staging / "zero" / name).mkdir(parents=True, exist_ok=True)
         values = {UNIVERSAL_MASTER: master, **optimizer["state"].get(bucket["state_index"], {})}
         for key, value in values.items():
-            torch.save({"param": value}, folder / f"{key}.pt")
+            records.append(save_file({"param": value}, staging, f"zero/{name}/{key}.pt"))
     info = {
         "universal_checkpoint_version": 1,
         "param_groups": [
@@ -68,8 +81,10 @@ def convert(input_folder: str | Path, output_folder: str | Path) -> Path:
         "loss_scaler": state["loss_scaler"],
         "source": {"zero_stage": model.get("zero_stage"), "dp_world_size": shards[1]},
     }
-    torch.save({**model, "optimizer": None, UNIVERSAL_CHECKPOINT_INFO: info}, out / MODEL_STATES)
-    (out.parent / LATEST_UNIVERSAL).write_text(out.name)
+    universal_model = {**model, "optimizer": None, UNIVERSAL_CHECKPOINT_INFO: info}
+    records.append(save_file(universal_model, staging, MODEL_STATES))
+    commit(str(out.parent), out.name, records, save_latest=False)
+    durable.write_text(out.parent / LATEST_UNIVERSAL, out.name)
     return out
 
 
@@ -80,8 +95,14 @@ def main(argv: list[str] | None = None) -> None:
     # DeepSpeed's parallelism knobs for its converter; one process does it here
     parser.add_argument("--num_extract_workers", type=int, default=1, help="accepted, unused")
     parser.add_argument("--num_merge_workers", type=int, default=1, help="accepted, unused")
+    parser.add_argument(
+        "--allow_unsafe_pickle",
+        action="store_true",
+        help="read the input with full pickle (only for a trusted legacy checkpoint)",
+    )
     args = parser.parse_args(argv)
-    print(f"wrote {convert(args.input_folder, args.output_folder)}")
+    out = convert(args.input_folder, args.output_folder, args.allow_unsafe_pickle)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -3,11 +3,14 @@
 ``save_dir/<tag>/`` holds the model-states file (:data:`MODEL_STATES`) and, where the optimizer
 state is partitioned, one optimizer shard per data-parallel rank (:data:`OPTIM_SHARD`);
 ``save_dir/latest`` names the newest tag and ``save_dir/latest_universal`` the newest universal
-one. Standard library only: this module is part of the standalone ``zero_to_fp32.py``.
+one. A save writes a tag into :func:`staging_folder` and renames it into place when complete
+(:mod:`.commit`). Standard library only: this module is part of the standalone
+``zero_to_fp32.py``.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -34,6 +37,33 @@ def shard_paths(folder: Path, count: int) -> list[Path]:
     return bf16 if not plain[0].is_file() and bf16[0].is_file() else plain
 
 
+def staging_folder(save_dir: str | os.PathLike[str], tag: str) -> Path:
+    """Where a save writes tag ``tag`` until it is complete (hidden; renamed to the tag)."""
+    return Path(save_dir) / f".{tag}.saving"
+
+
+def replaced_folder(save_dir: str | os.PathLike[str], tag: str) -> Path:
+    """Where a save of tag ``tag`` moves the tag's previous folder for the instant it takes to
+    rename the new one into place (then removes it)."""
+    return Path(save_dir) / f".{tag}.replaced"
+
+
+def existing_tag(save_dir: str | os.PathLike[str], tag: str) -> Path:
+    """The folder of tag ``tag``: ``save_dir/tag``, or the previous version of the tag if a save
+    that replaced it was killed between moving it aside and renaming the new one into place."""
+    folder = Path(save_dir) / tag
+    previous = replaced_folder(save_dir, tag)
+    if not folder.exists() and previous.is_dir():
+        logging.getLogger("shardspeed.checkpoint").warning(
+            "%s is missing: a save of it was interrupted while replacing it; loading the "
+            "previous version of the tag from %s",
+            folder,
+            previous,
+        )
+        return previous
+    return folder
+
+
 def tag_folder(checkpoint_dir: str | os.PathLike[str], tag: str | None) -> Path:
     """The folder of checkpoint ``tag`` in ``checkpoint_dir`` (``tag=None``: the one ``latest``
     names), which must hold a model-states file."""
@@ -46,7 +76,7 @@ def tag_folder(checkpoint_dir: str | os.PathLike[str], tag: str | None) -> Path:
                 "global_step14), or point checkpoint_dir at the directory save_checkpoint wrote"
             )
         tag = latest.read_text().strip()
-    folder = root / str(tag)
+    folder = existing_tag(root, str(tag))
     if not (folder / MODEL_STATES).is_file():
         raise FileNotFoundError(f"{folder / MODEL_STATES} does not exist: not a checkpoint tag")
     return folder

@@ -40,12 +40,16 @@ from shardspeed.checkpoint.reader import load_file
 ShardReader = Callable[[int], dict[str, Any]]
 
 
-def saved_shards(folder: Path, model_state: dict[str, Any]) -> tuple[ShardReader, int] | None:
+def saved_shards(
+    folder: Path, model_state: dict[str, Any], allow_unsafe_pickle: bool = False
+) -> tuple[ShardReader, int] | None:
     """(reader of rank ``r``'s shard, number of shards) for the optimizer state of the checkpoint
-    tag ``folder`` whose model-states file holds ``model_state``; None if none was saved."""
+    tag ``folder`` whose model-states file holds ``model_state``; None if none was saved. Files
+    are read safely (:func:`~shardspeed.checkpoint.reader.load_file`) unless
+    ``allow_unsafe_pickle``."""
     universal = model_state.get(UNIVERSAL_CHECKPOINT_INFO)
     if universal is not None:
-        shard = universal_shard(folder, universal)
+        shard = universal_shard(folder, universal, allow_unsafe_pickle)
         return (lambda _: shard), 1
     replicated = model_state.get("optimizer")
     if replicated is not None:
@@ -74,7 +78,9 @@ def saved_shards(folder: Path, model_state: dict[str, Any]) -> tuple[ShardReader
                 "of the saving job writes one, so copy the whole tag directory, or pass "
                 "load_optimizer_states=False to take the module weights only"
             )
-        saved = load_file(paths[rank])["optimizer_state_dict"]
+        saved = load_file(paths[rank], allow_unsafe_pickle=allow_unsafe_pickle)[
+            "optimizer_state_dict"
+        ]
         if deepspeed:
             return shard_from_deepspeed(saved, model_state["param_shapes"], count)
         check_layout_version(saved["strategy"], str(paths[rank]))
@@ -112,14 +118,18 @@ def shard_from_replicated(saved: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def universal_shard(folder: Path, info: dict[str, Any]) -> dict[str, Any]:
+def universal_shard(
+    folder: Path, info: dict[str, Any], allow_unsafe_pickle: bool = False
+) -> dict[str, Any]:
     """A universal folder as the one shard of a one-rank job."""
     layout, chunks, states = [], [], {}
     for index, (name, group) in enumerate(info["group_of"].items()):
         files = sorted((folder / "zero" / name).glob("*.pt"))
         if not files:
             raise FileNotFoundError(f"{folder / 'zero' / name} holds no parameter files")
-        values = {f.stem: load_file(f)["param"] for f in files}
+        values = {
+            f.stem: load_file(f, allow_unsafe_pickle=allow_unsafe_pickle)["param"] for f in files
+        }
         master = values.pop(UNIVERSAL_MASTER).reshape(-1)
         layout.append(param_bucket(group, index, name, master.numel()))
         chunks.append(master)
@@ -143,11 +153,11 @@ def shard_from_deepspeed(
     state of its one flat parameter ``g``."""
     fp32 = deepspeed_partitions(saved)
     layout = deepspeed_layout(param_shapes, [p.numel() for p in fp32], count)
-    scaler = saved.get("loss_scaler")
+    scaler = saved.get("loss_scaler")  # DeepSpeed's loss scaler, read as a dict of its fields
     strategy: StrategyState = {"layout": layout, "dp_world_size": count, "fp32_chunks": fp32}
     return {
         "optimizer": saved["base_optimizer_state"],
-        "loss_scaler": dict(vars(scaler)) if scaler is not None else {"cur_scale": 1.0},
+        "loss_scaler": dict(scaler) if scaler is not None else {"cur_scale": 1.0},
         "strategy": strategy,
     }
 

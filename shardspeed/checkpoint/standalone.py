@@ -17,7 +17,7 @@ from pathlib import Path
 #: the file name of the script, as DeepSpeed names it
 SCRIPT_NAME = "zero_to_fp32.py"
 #: the modules of this package the script is made of, each after those it imports from
-MODULES = ("files", "reader", "layout", "sources", "consolidate")
+MODULES = ("files", "manifest", "allowlist", "reader", "layout", "sources", "consolidate")
 _PACKAGE = "shardspeed.checkpoint"
 
 _HEADER = '''"""Consolidate a ZeRO checkpoint into one fp32 ``state_dict`` (DeepSpeed's ``zero_to_fp32``).
@@ -27,8 +27,10 @@ safetensors for ``--safe_serialization``), not shardspeed. The code is shardspee
 shardspeed/checkpoint/{modules}.py, joined into one file::
 
     python zero_to_fp32.py <checkpoint_dir> <output_dir> [--tag TAG] [--max_shard_size 5GB]
-        [--safe_serialization] [--exclude_frozen_parameters]
+        [--safe_serialization] [--exclude_frozen_parameters] [--verify_checksums]
+        [--allow_unsafe_pickle]
 
+Files are read with torch.load(weights_only=True): loading runs no code the checkpoint names.
 With shardspeed installed, ``shardspeed.utils.zero_to_fp32`` holds the same functions
 (``get_fp32_state_dict_from_zero_checkpoint``, ``load_state_dict_from_zero_checkpoint``,
 ``convert_zero_checkpoint_to_fp32_state_dict``).

@@ -37,7 +37,9 @@ class CheckpointWriterConfig(DeepSpeedConfigModel):
     type: Literal["MOCK", "PYTHON", "FAST"] = "FAST"
     """Writer implementation (case-insensitive)."""
     decoupled: bool = False
-    """Write in the background, decoupled from training."""
+    """Write in the background, decoupled from training: ``save_checkpoint`` copies the state to
+    the CPU and returns; a background thread writes it; ``engine.wait_for_checkpoint()`` (or the
+    next ``save_checkpoint``) waits for it, on every rank, and only then moves ``latest``."""
     io_buffer_size: int = Field(default=64 * 1024**2, gt=0)
     """I/O buffer size in bytes."""
     io_buffer_double: bool = True
@@ -71,8 +73,19 @@ class CheckpointConfig(DeepSpeedConfigModel):
     """Use torch serialization for checkpoint files."""
     writer: CheckpointWriterConfig | None = None
     """Checkpoint writer; None uses ``torch.save``."""
+    allow_unsafe_pickle: bool = False
+    """(shardspeed) Read checkpoint files with full pickle, which can run code named in the file:
+    only for a trusted legacy checkpoint holding objects the safe reader refuses. Logged."""
+    verify_checksums: bool = False
+    """(shardspeed) On load, check every byte of the tag against the CRC-32s in its manifest
+    (sizes are always checked); reads the whole tag once more."""
 
     _upper_tag = field_validator("tag_validation", mode="before")(_upper)
+
+    @property
+    def decoupled(self) -> bool:
+        """True when saves are written in the background (``writer.decoupled``)."""
+        return self.writer is not None and self.writer.decoupled
 
     @property
     def tag_validation_enabled(self) -> bool:

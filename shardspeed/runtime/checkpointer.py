@@ -8,30 +8,41 @@ strategy (``zero_pp_rank_{r}_mp_rank_00_optim_states.pt``), and the model file h
 state. Optimizer state carries its layout (parameter names and where each sits), so a job with
 another data-parallel size, bucket size or ZeRO stage (0, 1 or 2) resumes from it: each rank
 rebuilds its own partition (:mod:`~shardspeed.checkpoint.reshard`). ``zero_to_fp32.py`` is
-written beside the checkpoint to consolidate it without shardspeed. Files are written to a
-temporary name and renamed, so an interrupted save never leaves a truncated checkpoint behind.
+written beside the checkpoint to consolidate it without shardspeed.
+
+Safety: what is saved must be plain data (:func:`~shardspeed.checkpoint.snapshot.snapshot`), and
+every file is read back without running pickled code (:mod:`~shardspeed.checkpoint.reader`). A tag
+is written whole or not at all (:mod:`~shardspeed.runtime.checkpoint_writer`: staging folder,
+durable files, a manifest, then ``latest``), so a crash at any point leaves the previous tag
+loadable and named in ``latest``; loading checks the tag against its manifest first. With
+``checkpoint.writer.decoupled`` the files are written by a background thread while training
+goes on; ``engine.wait_for_checkpoint()`` or the next save joins it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from shardspeed import comm
+from shardspeed.checkpoint.commit import clear_staging
+from shardspeed.checkpoint.file_writer import save_file
 from shardspeed.checkpoint.files import (
-    LATEST_FILE,
     MODEL_STATES,
     UNIVERSAL_CHECKPOINT_INFO,
+    existing_tag,
     resolve_tag,
 )
+from shardspeed.checkpoint.manifest import check_tag
 from shardspeed.checkpoint.reader import load_file
+from shardspeed.checkpoint.snapshot import snapshot
 from shardspeed.checkpoint.sources import saved_shards
-from shardspeed.checkpoint.standalone import write_script
+from shardspeed.runtime.checkpoint_writer import PendingSave, start_save
+from shardspeed.runtime.rank_agreement import agree_on
 from shardspeed.runtime.train_state import COUNTERS
 from shardspeed.utils.logging import log_dist
 from shardspeed.version import __version__
@@ -52,12 +63,6 @@ _DEEPSPEED_KEYS = (
 )
 
 
-def _atomic_save(obj: Any, path: Path, zip_format: bool = True) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp, _use_new_zipfile_serialization=zip_format)
-    os.replace(tmp, path)
-
-
 def check_config(config: DeepSpeedConfig) -> None:
     """Refuse, at initialize, checkpoint settings whose behaviour shardspeed does not have."""
     if config.nebula.enabled:
@@ -72,9 +77,10 @@ def check_config(config: DeepSpeedConfig) -> None:
             "use PYTHON or FAST, or leave the writer out"
         )
     if writer is not None:
+        mode = "in a background thread (decoupled)" if writer.decoupled else "synchronously"
         log_dist(
             f"checkpoint.writer {writer.type}: shardspeed writes every file with torch.save "
-            "(each rank its own shard, in parallel); the writer's buffer settings do not apply",
+            f"{mode}, each rank its own shard; the writer's buffer settings do not apply",
             ranks=[0],
         )
 
@@ -87,57 +93,63 @@ def save(
     save_latest: bool,
     exclude_frozen_parameters: bool,
 ) -> bool:
+    wait(engine)  # a save in flight is committed (or fails) before the next one starts
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
-    if "/" in tag or tag in ("", ".", ".."):
+    if "/" in tag or tag in ("", ".", "..") or tag.startswith("."):
         raise ValueError(f"checkpoint tag {tag!r} must be a plain directory name")
     _validate_tag(engine, tag)
     config = engine.config.checkpoint
     # use_node_local_storage: each node's first rank writes the shared files to its own disk
-    writes_shared = (
+    commits = (
         comm.get_local_rank() == 0 if config.use_node_local_storage else engine.global_rank == 0
     )
-    folder = Path(save_dir) / tag
-    failure = None
+    failure, files = None, {}
     try:
-        _write_files(engine, folder, client_state, exclude_frozen_parameters, writes_shared)
+        files = _rank_files(engine, client_state, exclude_frozen_parameters, commits)
+        # background: copied out first, so training can go on changing the live tensors
+        files = snapshot(files, copy=config.decoupled, where="checkpoint")
+        if commits:
+            clear_staging(save_dir, tag)  # what a killed save of this tag left behind
     except Exception as error:  # a rank that stops alone leaves the others in a collective
         failure = error
-    _agree_on(engine, failure, f"write checkpoint {folder}")
-    # ``latest`` moves to the new tag only once every rank's files are in place
-    if writes_shared:
-        write_script(save_dir)
-        if save_latest:
-            latest = Path(save_dir) / LATEST_FILE
-            latest.with_name(LATEST_FILE + ".tmp").write_text(tag)
-            os.replace(latest.with_name(LATEST_FILE + ".tmp"), latest)
-    if comm.get_world_size() > 1:
-        comm.barrier()
-    log_dist(f"saved checkpoint {folder}", ranks=[0])
+    agree_on(failure, f"save checkpoint {Path(save_dir) / tag}", engine.device)
+    pending = PendingSave(save_dir, tag, save_latest, commits, engine.device)
+    start_save(pending, files, config.checkpoint_serialization, background=config.decoupled)
+    if config.decoupled:
+        engine.pending_checkpoint = pending
+        log_dist(f"writing checkpoint {Path(save_dir) / tag} in the background", ranks=[0])
+    else:
+        pending.finish()
     return True
 
 
-def _write_files(
+def wait(engine: DeepSpeedEngine) -> None:
+    """Finish the background save in flight, if any (every rank; raises on every rank if it
+    failed anywhere)."""
+    pending, engine.pending_checkpoint = engine.pending_checkpoint, None
+    if pending is not None:
+        pending.finish()
+
+
+def _rank_files(
     engine: DeepSpeedEngine,
-    folder: Path,
     client_state: dict[str, Any],
     exclude_frozen_parameters: bool,
-    writes_shared: bool,
-) -> None:
-    """This rank's optimizer shard (stages 1/2) and, on the writing rank, the model states."""
-    zip_format = engine.config.checkpoint.checkpoint_serialization  # False: legacy, no mmap
+    commits: bool,
+) -> dict[str, Any]:
+    """This rank's files (name -> state): its optimizer shard (stages 1/2) and, on the
+    committing rank, the model states."""
+    files: dict[str, Any] = {}
     shard = _optimizer_shard_name(engine)
     optimizer_state = engine.optimizer.state_dict() if engine.optimizer is not None else None
     if shard is not None:
-        folder.mkdir(parents=True, exist_ok=True)  # every rank writes here, none may wait for 0
-        _atomic_save(
-            {"optimizer_state_dict": optimizer_state, "dp_world_size": engine.dp_world_size},
-            folder / shard,
-            zip_format,
-        )
-    if not writes_shared:
-        return
-    folder.mkdir(parents=True, exist_ok=True)
-    state: dict[str, Any] = {
+        files[shard] = {
+            "optimizer_state_dict": optimizer_state,
+            "dp_world_size": engine.dp_world_size,
+        }
+    if not commits:
+        return files
+    files[MODEL_STATES] = {
         "module": engine.strategy.full_state_dict(
             exclude_frozen_parameters=exclude_frozen_parameters
         ),
@@ -153,7 +165,7 @@ def _write_files(
         **engine.state.state_dict(),
         **client_state,
     }
-    _atomic_save(state, folder / MODEL_STATES, zip_format)
+    return files
 
 
 def _validate_tag(engine: DeepSpeedEngine, tag: str) -> None:
@@ -184,30 +196,16 @@ def _optimizer_shard_name(engine: DeepSpeedEngine) -> str | None:
 
 
 def _optimizer_state(
-    engine: DeepSpeedEngine, folder: Path, state: dict[str, Any]
+    engine: DeepSpeedEngine, folder: Path, state: dict[str, Any], allow_unsafe_pickle: bool
 ) -> dict[str, Any] | None:
     """This rank's optimizer state for this run's stage, data-parallel size and buckets, from
     whatever form the checkpoint holds it in (:mod:`~shardspeed.checkpoint.sources`),
     saved under any stage or world size. None if the saving engine had no optimizer."""
     assert engine.optimizer is not None
-    shards = saved_shards(folder, state)
+    shards = saved_shards(folder, state, allow_unsafe_pickle)
     if shards is None:
         return None
     return engine.strategy.sharded_state(*shards, state["module"])
-
-
-def _agree_on(engine: DeepSpeedEngine, failure: Exception | None, what: str) -> None:
-    """Raise on every rank if any rank failed to ``what``: a rank going on alone would wait
-    forever in the next collective (loading the optimizer state ends in an all-gather)."""
-    if comm.get_world_size() > 1:
-        flag = torch.tensor([0.0 if failure is None else 1.0], device=engine.device)
-        comm.all_reduce(flag, op=comm.ReduceOp.MAX)
-        if failure is None and flag.item() > 0:
-            raise RuntimeError(
-                f"another rank failed to {what} (see its error above); this rank stops too"
-            )
-    if failure is not None:
-        raise failure
 
 
 def load(
@@ -219,29 +217,41 @@ def load(
     load_optimizer_states: bool,
     load_lr_scheduler_states: bool,
     custom_load_fn: Any,
+    allow_unsafe_pickle: bool | None = None,
 ) -> tuple[str | None, dict[str, Any] | None]:
-    tag = resolve_tag(load_dir, tag, engine.config.checkpoint.load_universal)
+    wait(engine)  # a background save of this very tag must be committed before it is read
+    config = engine.config.checkpoint
+    unsafe = config.allow_unsafe_pickle if allow_unsafe_pickle is None else allow_unsafe_pickle
+    tag = resolve_tag(load_dir, tag, config.load_universal)
     if tag is None:
         log_dist(f"no 'latest' file in {load_dir} and no tag given: nothing loaded", ranks=[0])
         return None, None
-    path = Path(load_dir) / tag / MODEL_STATES
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"checkpoint file {path} does not exist; check load_dir and tag (tags present: "
-            f"{sorted(p.name for p in Path(load_dir).iterdir() if p.is_dir()) if Path(load_dir).is_dir() else 'none'})"
-        )
-    # not memory-mapped: the client state handed back to the caller stays ordinary memory
-    state = load_file(path, mmap=False)
+    folder = existing_tag(load_dir, tag)
+    path = folder / MODEL_STATES
+    failure, state = None, {}
+    try:
+        if not path.is_file():
+            present = sorted(p.name for p in Path(load_dir).iterdir() if p.is_dir())
+            raise FileNotFoundError(
+                f"checkpoint file {path} does not exist; check load_dir and tag (tags present: "
+                f"{present})"
+            )
+        check_tag(folder, config.verify_checksums)
+        # not memory-mapped: the client state handed back to the caller stays ordinary memory
+        state = load_file(path, mmap=False, allow_unsafe_pickle=unsafe)
+    except Exception as error:  # every rank must learn of it before any collective
+        failure = error
+    agree_on(failure, f"load checkpoint {folder}", engine.device)
     engine.strategy.load_full_state_dict(
         state.get("module", state), load_module_strict, custom_load_fn
     )
     saved, failure = None, None
     if load_optimizer_states and engine.optimizer is not None:
         try:
-            saved = _optimizer_state(engine, Path(load_dir) / tag, state)
+            saved = _optimizer_state(engine, folder, state, unsafe)
         except Exception as error:  # every rank must learn of it before any collective
             failure = error
-        _agree_on(engine, failure, f"load the optimizer state of {Path(load_dir) / tag}")
+        agree_on(failure, f"load the optimizer state of {folder}", engine.device)
     if saved is not None:
         assert engine.optimizer is not None
         engine.optimizer.load_state_dict(saved)
@@ -280,9 +290,8 @@ def save_module_weights(
         weights = engine.strategy.full_state_dict(
             exclude_frozen_parameters=exclude_frozen_parameters
         )
-        _atomic_save(
-            {k: v.detach().cpu() for k, v in weights.items()}, Path(save_dir) / save_filename
-        )
+        weights = {k: v.detach().cpu() for k, v in weights.items()}
+        save_file(weights, Path(save_dir), save_filename)
     if comm.get_world_size() > 1:
         comm.barrier()
     return True

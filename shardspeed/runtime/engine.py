@@ -20,6 +20,7 @@ from torch import nn
 
 from shardspeed.config import DeepSpeedConfig
 from shardspeed.runtime import checkpointer
+from shardspeed.runtime.checkpoint_writer import PendingSave
 from shardspeed.runtime.dataloader import DeepSpeedDataLoader, build_dataloader
 from shardspeed.runtime.engine_parts import EngineParts
 from shardspeed.runtime.precision.autocast import autocast_if_enabled
@@ -117,6 +118,8 @@ class DeepSpeedEngine(nn.Module):
         self._no_sync = False
         self._coalescing = False
         self._boundary_override: bool | None = None
+        #: a checkpoint being written in the background (``checkpoint.writer.decoupled``)
+        self.pending_checkpoint: PendingSave | None = None
 
     # -- the training verbs -------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -385,8 +388,13 @@ class DeepSpeedEngine(nn.Module):
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,
         custom_load_fn: Any = None,
+        *,
+        allow_unsafe_pickle: bool | None = None,
     ) -> tuple[str | None, dict[str, Any] | None]:
-        """Restore a checkpoint written by :meth:`save_checkpoint`; returns (path, client_state)."""
+        """Restore a checkpoint written by :meth:`save_checkpoint`; returns (path, client_state).
+        Files are read without running pickled code; ``allow_unsafe_pickle=True`` (default: the
+        config's ``checkpoint.allow_unsafe_pickle``) reads a trusted legacy file that needs
+        more."""
         loaded = checkpointer.load(
             self,
             load_dir,
@@ -395,6 +403,7 @@ class DeepSpeedEngine(nn.Module):
             load_optimizer_states=load_optimizer_states and not load_module_only,
             load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only,
             custom_load_fn=custom_load_fn,
+            allow_unsafe_pickle=allow_unsafe_pickle,
         )
         self.state.open_window()
         return loaded
@@ -410,7 +419,16 @@ class DeepSpeedEngine(nn.Module):
             self, save_dir, save_filename, exclude_frozen_parameters
         )
 
+    def wait_for_checkpoint(self) -> None:
+        """Wait until the checkpoint being written in the background (``checkpoint.writer
+        .decoupled``) is on disk and ``latest`` names it. Every rank must call it, as
+        ``save_checkpoint``; if any rank failed to write, it raises on every rank (and
+        ``latest`` still names the previous tag). Does nothing when no save is in flight."""
+        checkpointer.wait(self)
+
     def destroy(self) -> None:
-        """Remove the gradient hooks; the engine must not be used afterwards."""
+        """Finish a background checkpoint save, remove the gradient hooks; the engine must not
+        be used afterwards."""
+        checkpointer.wait(self)
         self.strategy.destroy()
         self.observability.close()

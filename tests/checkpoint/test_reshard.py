@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from shardspeed.checkpoint import crash_points
 from shardspeed.checkpoint.consolidate import get_fp32_state_dict_from_zero_checkpoint
 from shardspeed.checkpoint.ds_to_universal import convert
 from shardspeed.checkpoint.reshard import Resharder
@@ -147,13 +148,21 @@ def test_resume_in_another_shape(dist_pool, tmp_path, case):
 
 
 def refusals(folder: str) -> None:
-    """A missing shard is named on the rank that needs it and stops every rank (none is left
-    waiting in a collective); a failed save stops every rank and leaves ``latest`` alone."""
+    """A missing shard is named (by the manifest check, on every rank; in a tag without a
+    manifest, on the rank that needs it) and stops every rank (none is left waiting in a
+    collective); a failed save stops every rank and leaves ``latest`` alone."""
     base, rank = Path(folder), dist.get_rank()
     stage1, _, _ = _build(1, 3000, seed=1)
     stage1.save_checkpoint(str(base / "s1"), tag="t")
+    dist.barrier()
     if rank == 0:
         (base / "s1" / "t" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    dist.barrier()
+    with pytest.raises(FileNotFoundError, match="zero_pp_rank_1_mp_rank_00_optim_states.pt"):
+        stage1.load_checkpoint(str(base / "s1"), tag="t")
+    dist.barrier()
+    if rank == 0:  # a legacy tag: no manifest
+        (base / "s1" / "t" / "manifest.json").unlink()
     dist.barrier()
     expected = (
         (FileNotFoundError, "zero_pp_rank_1_mp_rank_00_optim_states.pt")
@@ -163,14 +172,18 @@ def refusals(folder: str) -> None:
     with pytest.raises(expected[0], match=expected[1]):
         stage1.load_checkpoint(str(base / "s1"), tag="t")
     stage1.load_checkpoint(str(base / "s1"), tag="t", load_optimizer_states=False)
-    # rank 1 cannot write its shard (a directory sits where its temporary file goes)
+    # rank 1 fails to write its shard (an injected write error, tests/checkpoint/crash_points)
     if rank == 1:
-        (base / "s1" / "u" / "zero_pp_rank_1_mp_rank_00_optim_states.pt.tmp").mkdir(parents=True)
-    dist.barrier()
-    expected = (RuntimeError, "Is a directory" if rank == 1 else "another rank failed to write")
-    with pytest.raises(expected[0], match=expected[1]):
-        stage1.save_checkpoint(str(base / "s1"), tag="u")
+        os.environ[crash_points.FAIL_AT] = "1"
+        crash_points.reset()
+    try:
+        failed = "injected checkpoint write failure" if rank == 1 else "another rank failed"
+        with pytest.raises(RuntimeError, match=failed):
+            stage1.save_checkpoint(str(base / "s1"), tag="u")
+    finally:
+        os.environ.pop(crash_points.FAIL_AT, None)
     assert (base / "s1" / "latest").read_text() == "t"
+    assert not (base / "s1" / "u").exists() and not (base / "s1" / ".u.saving").exists()
     stage1.destroy()
 
 
@@ -193,6 +206,7 @@ def node_local_and_legacy_format(folder: str) -> None:
             files = sorted(p.name for p in (disk / "t").iterdir())
             if node_local:  # this node's disk: the model states and this rank's shard only
                 assert files == [
+                    "manifest.json",  # listing the files on this disk
                     "mp_rank_00_model_states.pt",
                     f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt",
                 ], files
