@@ -17,9 +17,11 @@ import torch.distributed as dist
 from torch import nn
 
 import shardspeed
+import shardspeed.checkpointing as ckpt
 from examples.gpt_model import GPT, GPTConfig, synthetic_tokens
 from shardspeed.ops.factory import build_optimizer
 from shardspeed.utils import safe_get_full_optimizer_state
+from shardspeed.zero import GatheredParameters
 
 # Adam divides by sqrt(v) + eps: with eps=1e-8 an element whose gradient is ~1e-9 turns float
 # summation-order noise (two half-batch means vs one full-batch mean) into 1e-6 weight changes.
@@ -42,6 +44,52 @@ class MLP(nn.Module):
         return nn.functional.mse_loss(self.net(x), y)
 
 
+class TwiceMLP(nn.Module):
+    """An MLP whose middle layer (one module) runs twice per forward."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.inp = nn.Linear(width, width)
+        self.shared = nn.Linear(width, width)
+        self.out = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        h = torch.tanh(self.shared(h))
+        h = torch.tanh(self.shared(h))
+        return nn.functional.mse_loss(self.out(h), y)
+
+
+def _call(function: Callable[..., Any], *args: Any) -> Any:
+    return function(*args)
+
+
+class CheckpointedGPT(GPT):
+    """The GPT with every block under activation checkpointing (``reentrant`` or not)."""
+
+    def __init__(self, cfg: GPTConfig, reentrant: bool) -> None:
+        super().__init__(cfg)
+        self.reentrant = reentrant
+        #: off for the single-process reference (it takes gradients with autograd.grad)
+        self.enabled = True
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        run: Callable[..., Any] = (
+            ckpt.checkpoint if self.reentrant else ckpt.non_reentrant_checkpoint
+        )
+        if not self.enabled:
+            run = _call
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.wte(tokens) + self.wpe(positions)
+        for block in self.blocks:
+            x = run(block, x)
+        logits = self.lm_head(self.ln_f(x))
+        assert targets is not None
+        return nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1)
+        )
+
+
 @dataclass
 class Task:
     """A model factory and a dataset of (input, target) rows."""
@@ -57,9 +105,18 @@ def make_task(kind: str, rows: int, seed: int = 0) -> Task:
         w = torch.randn(16, 1, generator=gen) / 4
         y = torch.tanh(x @ w)
         return Task(lambda: MLP(), (x, y))
-    if kind == "gpt":
+    if kind == "twice":
+        x = torch.randn(rows, 16, generator=gen)
+        y = torch.tanh(x[:, :1])
+        return Task(lambda: TwiceMLP(), (x, y))
+    if kind.startswith("gpt"):
         ds = synthetic_tokens(rows, TINY_GPT, seed=seed)
-        return Task(lambda: GPT(TINY_GPT), (ds.tensors[0], ds.tensors[1]))
+        builders: dict[str, Callable[[], nn.Module]] = {
+            "gpt": lambda: GPT(TINY_GPT),
+            "gpt-ckpt": lambda: CheckpointedGPT(TINY_GPT, reentrant=True),
+            "gpt-ckpt-nr": lambda: CheckpointedGPT(TINY_GPT, reentrant=False),
+        }
+        return Task(builders[kind], (ds.tensors[0], ds.tensors[1]))
     raise ValueError(kind)
 
 
@@ -176,6 +233,8 @@ def run_parity(
     task = make_task(kind, rows=steps * micro * gas * world)
     reference = task.build()
     model = copy.deepcopy(reference)
+    if isinstance(reference, CheckpointedGPT):
+        reference.enabled = False
     extra = dict(config_extra or {})
     if stage:
         extra["zero_optimization"] = {**extra.get("zero_optimization", {}), "stage": stage}
@@ -207,8 +266,9 @@ def run_parity(
         dist.all_reduce(total)
         global_loss = total / (world * gas)
         assert_close(global_loss, ref_loss.detach(), f"loss at step {step}", rtol, atol)
-        for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
-            assert_close(p.detach(), q.detach(), f"{name} at step {step}", rtol, atol)
+        with GatheredParameters(list(model.parameters())):  # stage 3 holds shards only
+            for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+                assert_close(p.detach(), q.detach(), f"{name} at step {step}", rtol, atol)
         if stage:
             assert_state_close(model, reference, ref_opt, step, rtol, atol)
         losses.append(global_loss.item())

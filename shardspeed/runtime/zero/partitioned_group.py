@@ -258,8 +258,11 @@ class PartitionedGroup(ShardGroup):
         chunks (fp16/bf16 models) and all-gather each bucket in place, every bucket in flight
         at once."""
         self.masters.copy_master_to_model()
-        if not self.comm.partitioned:
-            return
+        if self.comm.partitioned:
+            self._gather_params()
+
+    def _gather_params(self) -> None:
+        """Make every rank's parameters whole again from the updated chunks."""
         works = [
             comm.all_gather_into_tensor(
                 flat, self._param_chunk(bucket), group=self.comm.group, async_op=True

@@ -28,6 +28,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 if TYPE_CHECKING:
     from shardspeed.runtime.zero.buckets import GradBucket
+    from shardspeed.runtime.zero.gather_units import GatherUnit
     from shardspeed.runtime.zero.partition import Piece
     from shardspeed.runtime.zero.shard_group import ShardGroup
 
@@ -60,6 +61,8 @@ class ParamRecord:
     piece: Piece | None = None
     #: the separate tensor the optimizer steps for it (replicated groups with master weights)
     master: torch.Tensor | None = field(default=None, repr=False)
+    #: the ZeRO-3 gather unit it lives in (None before stage 3)
+    unit: GatherUnit | None = field(default=None, repr=False)
     #: dtype its gradient is communicated in
     comm_dtype: torch.dtype | None = None
     #: whether it got a gradient since the gradients were last zeroed (unused-parameter check)

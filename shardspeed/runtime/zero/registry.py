@@ -11,11 +11,17 @@ from shardspeed.runtime.zero.partitioned import (
     OptimizerStateStrategy,
 )
 from shardspeed.runtime.zero.replicated import ReplicatedStrategy
+from shardspeed.runtime.zero.sharded import ParamPartitionStrategy
 from shardspeed.runtime.zero.strategy import StrategyContext, ZeroStrategy
 
 STRATEGIES: dict[int, type[ZeroStrategy]] = {
     cls.stage: cls
-    for cls in (ReplicatedStrategy, OptimizerStateStrategy, GradientPartitionStrategy)
+    for cls in (
+        ReplicatedStrategy,
+        OptimizerStateStrategy,
+        GradientPartitionStrategy,
+        ParamPartitionStrategy,
+    )
 }
 
 # zero_optimization keys whose feature is not built yet: a clear error beats silently ignoring
@@ -46,6 +52,23 @@ def check_zero_config(zero: Any) -> None:
                 f"zero_optimization.{key}=true (ZeRO++ quantization) is not yet supported in "
                 f"shardspeed; remove the key or set it to false"
             )
+    if int(getattr(zero, "zero_hpz_partition_size", 1)) > 1:
+        raise NotImplementedError(
+            "zero_optimization.zero_hpz_partition_size > 1 (ZeRO++ hierarchical partitioning) "
+            "is not yet supported in shardspeed; remove the key or set it to 1"
+        )
+    if int(getattr(zero, "mics_shard_size", -1)) > 0:
+        raise NotImplementedError(
+            "zero_optimization.mics_shard_size (MiCS) is not yet supported in shardspeed; "
+            "remove the key or set it to -1"
+        )
+    param_offload = getattr(zero, "offload_param", None)
+    param_device = getattr(getattr(param_offload, "device", None), "value", "none")
+    if param_offload is not None and param_device != "none":
+        raise NotImplementedError(
+            f'zero_optimization.offload_param.device="{param_device}" is not yet supported in '
+            'shardspeed; remove offload_param or set its device to "none"'
+        )
     offload = getattr(zero, "offload_optimizer", None)
     device = getattr(getattr(offload, "device", None), "value", "none")
     if offload is not None and device != "none" and int(zero.stage) > 0:

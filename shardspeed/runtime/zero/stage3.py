@@ -1,10 +1,6 @@
-"""Import-path shim: DeepSpeed's ``deepspeed.runtime.zero.stage3``, re-exporting the ZeRO-3
-memory estimators. No code lives here; the stage 3 strategy will get its own modules.
-
-ZeRO-3 training itself (partitioned parameters) is not implemented yet: ``zero_optimization.stage
-= 3`` is refused at initialize. The estimators need only parameter counts
-(:mod:`~shardspeed.runtime.zero.estimators`).
-"""
+"""Import-path shim: DeepSpeed's ``deepspeed.runtime.zero.stage3``, re-exporting the stage 3
+strategy (:mod:`~shardspeed.runtime.zero.sharded`) under DeepSpeed's class name and the ZeRO-3
+memory estimators (:mod:`~shardspeed.runtime.zero.estimators`). No code lives here."""
 
 from __future__ import annotations
 
@@ -14,8 +10,14 @@ from shardspeed.runtime.zero.estimators import (
     estimate_zero3_model_states_mem_needs_all_live,
 )
 from shardspeed.runtime.zero.estimators import zero3_model_to_params as model_to_params
+from shardspeed.runtime.zero.sharded import ParamPartitionStrategy
+
+#: DeepSpeed's class name for the stage 3 optimizer; here the stage 3 strategy
+DeepSpeedZeroOptimizer_Stage3 = ParamPartitionStrategy
 
 __all__ = [
+    "DeepSpeedZeroOptimizer_Stage3",
+    "ParamPartitionStrategy",
     "estimate_zero3_model_states_mem_needs",
     "estimate_zero3_model_states_mem_needs_all_cold",
     "estimate_zero3_model_states_mem_needs_all_live",

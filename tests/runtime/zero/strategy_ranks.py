@@ -118,13 +118,14 @@ def two_groups_reduce_on_their_own_process_groups(stage: int) -> None:
 
     torch.manual_seed(0)
     model = MLP(width=8)
+    unsharded = copy.deepcopy(model)  # stage 3 keeps only shards of ``model``
     strategy = STRATEGIES[stage](model, _context(comm_for, bucket_size=40))
     strategy.place_module()
     strategy.bind_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
     assert len(strategy.groups) == 2
     assert {g.comm.world_size for g in strategy.groups} == {2, 4}
     x, y = torch.randn(4, 8) * (rank + 1), torch.randn(4, 1)
-    local = _local_grads(model, x, y)
+    local = _local_grads(unsharded, x, y)
     strategy.begin_backward(reduce=True)
     model(x, y).backward()
     strategy.end_backward()

@@ -1,0 +1,99 @@
+"""Parameters kept as this rank's shard of one flat buffer, whole only while gathered (ZeRO-3).
+
+A :class:`FlatShard` lays its parameters out flat at given offsets, padded to a multiple of the
+world size ``N`` (a gradient bucket's layout, so the bucket's reduce-scatter hands each rank the
+gradient of exactly its shard). Rank ``r`` keeps elements ``[r*S/N, (r+1)*S/N)`` in
+:attr:`~FlatShard.shard`, a tensor of its own. The full buffer :attr:`~FlatShard.full` exists
+only while gathered: each parameter's ``.data`` is a view of it, and releasing shrinks the
+buffer's storage to zero bytes instead of dropping the tensor, so the views, and the references
+autograd saved to the parameters during forward, stay valid: gathering again before backward
+regrows the same storage and all-gathers into it. Writes into the buffer do not bump the
+parameters' autograd version counters (``param.data`` was rebound), so a re-gather between
+forward and backward is not an in-place modification autograd refuses. (PyTorch FSDP2 frees its
+unsharded parameters the same way.)
+
+With one rank there is nothing to shard: the shard is the full buffer and it is never released.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardspeed import comm
+from shardspeed.runtime.zero.comm_group import CommGroup
+
+
+class FlatShard:
+    """``params`` at ``offsets`` of a flat buffer of ``size`` elements (a multiple of the
+    group's world size), kept as this rank's shard."""
+
+    @torch.no_grad()
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        offsets: Sequence[int],
+        size: int,
+        comm_group: CommGroup,
+    ) -> None:
+        assert size % comm_group.world_size == 0, "the flat size must be padded to the world"
+        first = params[0]
+        self.params = list(params)
+        self.offsets = list(offsets)
+        self.comm = comm_group
+        self.chunk_numel = size // comm_group.world_size
+        #: the whole buffer; its storage has zero bytes while released
+        self.full = torch.zeros(size, dtype=first.dtype, device=first.device)
+        for param, offset in zip(self.params, self.offsets, strict=True):
+            view = self.full[offset : offset + param.numel()].view(param.shape)
+            view.copy_(param.detach())
+            param.data = view  # the old storage is freed here (unless someone holds it)
+        self._nbytes = self.full.untyped_storage().nbytes()
+        #: this rank's chunk, the only part kept between uses
+        self.shard = self.full[self.chunk_slice].clone() if comm_group.partitioned else self.full
+        self.gathered = True
+
+    @property
+    def numel(self) -> int:
+        return self.full.numel()
+
+    @property
+    def chunk_slice(self) -> slice:
+        """Where this rank's shard sits in the flat layout."""
+        return slice(self.chunk_numel * self.comm.rank, self.chunk_numel * (self.comm.rank + 1))
+
+    def gather(self) -> Any:
+        """Regrow the full buffer and start all-gathering the shards into it; returns the
+        collective's work handle (None if there is nothing to wait for)."""
+        if self.gathered:
+            return None
+        self.full.untyped_storage().resize_(self._nbytes)
+        self.gathered = True
+        return comm.all_gather_into_tensor(
+            self.full, self.shard, group=self.comm.group, async_op=True
+        )
+
+    def refresh(self) -> Any:
+        """All-gather the (updated) shards into a full buffer that is gathered already."""
+        if not self.gathered or not self.comm.partitioned:
+            return None
+        return comm.all_gather_into_tensor(
+            self.full, self.shard, group=self.comm.group, async_op=True
+        )
+
+    def release(self) -> None:
+        """Free the full buffer's memory (a no-op with one rank)."""
+        if self.gathered and self.comm.partitioned:
+            self.full.untyped_storage().resize_(0)
+            self.gathered = False
+
+    @torch.no_grad()
+    def keep_full_values(self) -> None:
+        """Make the shard follow the (gathered) full buffer, after its values were written
+        there, e.g. by ``load_state_dict``."""
+        assert self.gathered, "only a gathered buffer holds full values"
+        if self.comm.partitioned:
+            self.shard.copy_(self.full[self.chunk_slice])

@@ -1,0 +1,116 @@
+"""Gather units: the parameters ZeRO-3 gathers together, one unit per module that holds some.
+
+A module's unit is the parameters it registers itself (``parameters(recurse=False)``), as
+DeepSpeed fetches them; a leaf module (``set_z3_leaf_modules``, ``zero_optimization.leaf_module``)
+holds every parameter of its subtree and nothing inside it gets a unit of its own, so the
+subtree is gathered as one piece even where ranks run different submodules. A parameter lives in
+the first unit that holds it; a module that registers a parameter living elsewhere (tied input
+and output embeddings) or was told to use one (``register_external_parameter``) lists that
+unit in :attr:`GatherUnit.uses` and gathers it too.
+
+A unit's parameters sit in one or more :class:`~shardspeed.runtime.zero.flat_shard.FlatShard`
+buffers: one per optimizer parameter group of its trained parameters (the shard group's gradient
+buckets) and one for the rest. Its state is its records' :class:`ParamState`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from shardspeed.runtime.zero.flat_shard import FlatShard
+from shardspeed.runtime.zero.records import ParamRecord, ParamRegistry, ParamState
+
+#: the attribute DeepSpeed's set_z3_leaf_modules sets on a module instance
+Z3_LEAF_ATTR = "_z3_leaf"
+
+
+def is_leaf_module(module: nn.Module) -> bool:
+    return bool(getattr(module, Z3_LEAF_ATTR, False))
+
+
+@dataclass(eq=False)
+class GatherUnit:
+    """The parameters one module's forward needs gathered."""
+
+    index: int
+    #: the module's qualified name ("" for the root), for error messages
+    name: str
+    module: nn.Module
+    #: parameters that live in this unit
+    records: list[ParamRecord]
+    #: units of parameters the module uses that live elsewhere
+    uses: list[GatherUnit] = field(default_factory=list)
+    flats: list[FlatShard] = field(default_factory=list)
+    #: kept gathered at all times (small parameters, one rank)
+    persistent: bool = False
+    #: gradients of this unit's trained parameters arrived in the current backward
+    arrived: int = 0
+
+    @property
+    def numel(self) -> int:
+        return sum(r.numel for r in self.records)
+
+    @property
+    def gathered(self) -> bool:
+        return all(flat.gathered for flat in self.flats)
+
+    def trained(self) -> list[ParamRecord]:
+        return [r for r in self.records if r.trained]
+
+    def start_gather(self) -> list[object]:
+        """Start gathering every released buffer; the caller waits for the returned works."""
+        if self.gathered:
+            return []
+        self._set_state(ParamState.GATHERING)
+        return [work for flat in self.flats if (work := flat.gather()) is not None]
+
+    def finish_gather(self) -> None:
+        self._set_state(ParamState.GATHERED)
+
+    def release(self) -> None:
+        if self.persistent:
+            return
+        for flat in self.flats:
+            flat.release()
+        self._set_state(ParamState.SHARDED if not self.gathered else ParamState.GATHERED)
+
+    def _set_state(self, state: ParamState) -> None:
+        for record in self.records:
+            record.state = state
+
+
+def _module_params(module: nn.Module) -> Iterator[nn.Parameter]:
+    # a leaf module holds its whole subtree
+    yield from module.parameters(recurse=is_leaf_module(module))
+
+
+def plan_units(module: nn.Module, registry: ParamRegistry) -> list[GatherUnit]:
+    """One unit per module that holds parameters, in module order (see the module docstring)."""
+    units: list[GatherUnit] = []
+    home: dict[int, GatherUnit] = {}
+    inside_leaf: set[int] = set()
+    for name, sub in module.named_modules():
+        if id(sub) in inside_leaf:
+            continue
+        if is_leaf_module(sub):
+            inside_leaf.update(id(m) for m in sub.modules() if m is not sub)
+        own: list[ParamRecord] = []
+        uses: list[GatherUnit] = []
+        for param in _module_params(sub):
+            record = registry[param]
+            elsewhere = home.get(id(record))
+            if elsewhere is None:
+                own.append(record)
+            elif elsewhere not in uses:
+                uses.append(elsewhere)
+        if not own and not uses:
+            continue
+        unit = GatherUnit(len(units), name, sub, own, uses)
+        for record in own:
+            home[id(record)] = unit
+            record.unit = unit
+        units.append(unit)
+    return units

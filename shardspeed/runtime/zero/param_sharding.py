@@ -1,0 +1,246 @@
+"""ZeRO-3's parameters: every parameter lives as this rank's shard, gathered around its use.
+
+:class:`ParamSharding` owns the :class:`~.gather_units.GatherUnit`\\ s of a module and the hooks
+that move them between ``SHARDED`` and ``GATHERED``:
+
+* **forward**: a unit is gathered by its module's forward pre-hook (with the units it uses) and
+  released by the forward hook, which first registers a hook on the module's outputs that
+  gathers the unit again when backward reaches the module;
+* **backward**: a unit is released as soon as every one of its parameters got its gradient
+  (autograd accumulates a parameter's gradient once, after every use of it), the rest when the
+  backward ends. A forward that runs inside backward (activation checkpointing recomputing) does
+  not release: the backward running it still needs the parameters;
+* small units (``stage3_param_persistence_threshold``, up to
+  ``stage3_model_persistence_threshold`` elements in all) stay gathered.
+
+The hooks only delegate here; the buffers are :class:`~.flat_shard.FlatShard` objects. Trained
+parameters move into their shard group's bucket layout when the optimizer is bound
+(:meth:`ParamSharding.adopt_buckets`), so a bucket's reduce-scatter hands every rank the
+gradient of exactly its shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from shardspeed.runtime.zero.buckets import GradBucket
+from shardspeed.runtime.zero.comm_group import CommGroup
+from shardspeed.runtime.zero.flat_shard import FlatShard
+from shardspeed.runtime.zero.gather_units import GatherUnit, plan_units
+from shardspeed.runtime.zero.records import ParamRecord, ParamRegistry, record_of
+
+
+@dataclass(frozen=True)
+class ShardingOptions:
+    """DeepSpeed's stage 3 knobs that decide what stays gathered."""
+
+    #: ``stage3_param_persistence_threshold``: parameters below it stay gathered
+    param_persistence_threshold: int = 100_000
+    #: ``stage3_model_persistence_threshold``: at most this many persistent elements in all
+    model_persistence_threshold: int = 2**63 - 1
+
+    @classmethod
+    def from_config(cls, zero: Any) -> ShardingOptions:
+        if zero is None:
+            return cls()
+        return cls(
+            param_persistence_threshold=int(zero.param_persistence_threshold),
+            model_persistence_threshold=int(zero.model_persistence_threshold),
+        )
+
+
+def _wait(works: Iterable[Any]) -> None:
+    for work in works:
+        work.wait()
+
+
+def _padded(numel: int, world: int) -> int:
+    return -(-numel // world) * world
+
+
+class ParamSharding:
+    """The gather units of ``module`` and the hooks that gather and release them."""
+
+    def __init__(
+        self, module: nn.Module, registry: ParamRegistry, comm: CommGroup, options: ShardingOptions
+    ) -> None:
+        self.module = module
+        self.comm = comm
+        self.options = options
+        self.units = plan_units(module, registry)
+        self._in_backward = False
+        self._handles: list[Any] = []
+
+    # -- setting up -------------------------------------------------------------------------
+    def shard(self) -> None:
+        """Keep only this rank's shard of every parameter (the module holds full, equal
+        weights on every rank) and install the hooks."""
+        budget = self.options.model_persistence_threshold
+        for unit in self.units:
+            unit.flats = self._flats(unit.records)
+            small = all(r.numel < self.options.param_persistence_threshold for r in unit.records)
+            if small and unit.numel <= budget:
+                unit.persistent = True
+                budget -= unit.numel
+            unit.finish_gather()
+        for unit in self.units:
+            self._handles.append(
+                unit.module.register_forward_pre_hook(partial(self._pre_forward, unit))
+            )
+            self._handles.append(
+                unit.module.register_forward_hook(partial(self._post_forward, unit))
+            )
+        self.release_all()
+
+    def _flats(self, records: Sequence[ParamRecord]) -> list[FlatShard]:
+        """``records`` packed in one flat buffer per dtype."""
+        by_dtype: dict[torch.dtype, list[ParamRecord]] = {}
+        for record in records:
+            by_dtype.setdefault(record.param.dtype, []).append(record)
+        flats = []
+        for group in by_dtype.values():
+            offsets, total = [], 0
+            for record in group:
+                offsets.append(total)
+                total += record.numel
+            size = _padded(total, self.comm.world_size)
+            flats.append(FlatShard([r.param for r in group], offsets, size, self.comm))
+        return flats
+
+    def adopt_buckets(self, buckets: Sequence[GradBucket], comm: CommGroup) -> list[FlatShard]:
+        """Lay the trained parameters out as the shard group's ``buckets`` (one flat buffer
+        each, in bucket order, sharded over the group's ``comm``: Mixture of Experts shards
+        expert parameters over their expert-data-parallel group); a unit's other parameters
+        keep a buffer of their own."""
+        by_unit: dict[int, list[GradBucket]] = {}
+        for bucket in buckets:
+            unit = self._unit_of(bucket.params[0])
+            by_unit.setdefault(unit.index, []).append(bucket)
+        adopted: dict[int, FlatShard] = {}
+        for index, unit_buckets in by_unit.items():
+            unit = self.units[index]
+            was_gathered = unit.gathered
+            self._fetch([unit])
+            placed: set[int] = set()
+            flats = []
+            for bucket in unit_buckets:
+                flat = FlatShard(bucket.params, bucket.offsets, bucket.size, comm)
+                adopted[bucket.index] = flat
+                flats.append(flat)
+                placed.update(id(p) for p in bucket.params)
+            rest = [r for r in unit.records if id(r.param) not in placed]
+            unit.flats = flats + self._flats(rest)
+            if not was_gathered:
+                unit.release()
+        return [adopted[bucket.index] for bucket in buckets]
+
+    @staticmethod
+    def _unit_of(param: nn.Parameter) -> GatherUnit:
+        record = record_of(param)
+        assert record is not None and record.unit is not None, "a parameter in no gather unit"
+        return record.unit
+
+    def watch_gradients(self, records: Iterable[ParamRecord]) -> None:
+        """Release a unit once all its trained parameters got their gradients."""
+        for record in records:
+            self._handles.append(
+                record.param.register_post_accumulate_grad_hook(partial(self._on_grad, record))
+            )
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    # -- gathering --------------------------------------------------------------------------
+    def _fetch(self, units: Iterable[GatherUnit]) -> None:
+        """Gather ``units`` (all their all-gathers in flight at once)."""
+        started = [(unit, unit.start_gather()) for unit in units if not unit.gathered]
+        for unit, works in started:
+            _wait(works)
+            unit.finish_gather()
+
+    def fetch(self, unit: GatherUnit) -> None:
+        """Gather ``unit`` and the units it uses."""
+        self._fetch([unit, *unit.uses])
+
+    def release(self, unit: GatherUnit) -> None:
+        unit.release()
+        for used in unit.uses:
+            used.release()
+
+    def release_all(self) -> None:
+        for unit in self.units:
+            unit.release()
+
+    @contextmanager
+    def gathered(self, units: Sequence[GatherUnit] | None = None) -> Iterator[None]:
+        """Every unit (or ``units``) gathered inside the block; those that were released
+        before are released again after it."""
+        chosen = list(self.units if units is None else units)
+        released = [unit for unit in chosen if not unit.gathered]
+        self._fetch(chosen)
+        try:
+            yield
+        finally:
+            for unit in released:
+                unit.release()
+
+    def keep_full_values(self, units: Sequence[GatherUnit] | None = None) -> None:
+        """The (gathered) units' full values were written: make the shards follow them."""
+        for unit in self.units if units is None else units:
+            for flat in unit.flats:
+                flat.keep_full_values()
+
+    def refresh(self) -> None:
+        """Re-gather every gathered buffer from the shards (after the shards changed)."""
+        works = [w for unit in self.units for f in unit.flats if (w := f.refresh()) is not None]
+        _wait(works)
+
+    # -- hooks ------------------------------------------------------------------------------
+    def _pre_forward(self, unit: GatherUnit, module: nn.Module, args: Any) -> None:
+        del module, args
+        self.fetch(unit)
+
+    def _post_forward(self, unit: GatherUnit, module: nn.Module, args: Any, output: Any) -> None:
+        del module, args
+        if torch.is_grad_enabled():
+            needing = [
+                t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad
+            ]
+            if needing:
+                torch.autograd.graph.register_multi_grad_hook(
+                    needing, partial(self._pre_backward, unit), mode="any"
+                )
+        if not self._in_backward:
+            self.release(unit)
+
+    def _pre_backward(self, unit: GatherUnit, grad: Any) -> None:
+        del grad
+        self.fetch(unit)
+
+    def _on_grad(self, record: ParamRecord, param: torch.Tensor) -> None:
+        del param
+        unit = record.unit
+        assert unit is not None
+        unit.arrived += 1
+        trained = unit.trained()
+        if self._in_backward and unit.arrived == len(trained) == len(unit.records):
+            unit.release()
+
+    def begin_backward(self) -> None:
+        self._in_backward = True
+        for unit in self.units:
+            unit.arrived = 0
+
+    def end_backward(self) -> None:
+        self._in_backward = False
+        self.release_all()

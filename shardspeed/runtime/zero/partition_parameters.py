@@ -1,0 +1,125 @@
+"""DeepSpeed's ``deepspeed.runtime.zero.partition_parameters``: the user-facing side of ZeRO-3.
+
+* :class:`ZeroParamStatus` — DeepSpeed's name for a parameter's state (``param.ds_status``);
+  shardspeed keeps the state on the parameter's record
+  (:class:`~shardspeed.runtime.zero.records.ParamState`) and maps it here.
+* :class:`GatheredParameters` — gather partitioned parameters for a block of code (to read,
+  or, with ``modifier_rank``, to change them: that rank's values reach every rank's shards on
+  exit). Parameters that are not partitioned pass through untouched, so the same code runs at
+  every stage.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Sequence
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardspeed import comm
+from shardspeed.runtime.zero.gather_units import GatherUnit
+from shardspeed.runtime.zero.records import ParamState, record_of
+
+__all__ = ["GatheredParameters", "ZeroParamStatus", "param_status"]
+
+
+class ZeroParamStatus(enum.Enum):
+    """DeepSpeed's parameter states."""
+
+    #: whole on this rank
+    AVAILABLE = 1
+    #: only this rank's shard is held
+    NOT_AVAILABLE = 2
+    #: being gathered
+    INFLIGHT = 3
+
+
+_STATUS = {
+    ParamState.GATHERED: ZeroParamStatus.AVAILABLE,
+    ParamState.SHARDED: ZeroParamStatus.NOT_AVAILABLE,
+    ParamState.GATHERING: ZeroParamStatus.INFLIGHT,
+}
+
+
+def param_status(param: torch.Tensor) -> ZeroParamStatus:
+    """``param``'s DeepSpeed status (AVAILABLE for any parameter ZeRO-3 does not partition)."""
+    record = record_of(param)
+    return ZeroParamStatus.AVAILABLE if record is None else _STATUS[record.state]
+
+
+def _as_list(params: Any) -> list[torch.Tensor]:
+    if params is None:
+        return []
+    if isinstance(params, torch.Tensor):
+        return [params]
+    return list(params)
+
+
+def _units_of(params: Iterable[torch.Tensor]) -> list[GatherUnit]:
+    units: list[GatherUnit] = []
+    for param in params:
+        record = record_of(param)
+        unit = None if record is None else record.unit
+        if unit is not None and unit not in units:
+            units.append(unit)
+    return units
+
+
+class GatheredParameters:
+    """Gather ``params`` (a parameter or an iterable of them) inside the ``with`` block.
+
+    ``modifier_rank``: the rank whose changes to the gathered values are kept; on exit its
+    values are broadcast and every rank's shards updated. ``None`` (read only): changes are
+    discarded. ``fwd_module`` is accepted for DeepSpeed compatibility (external parameters are
+    registered with :func:`register_external_parameter`). ``enabled=False`` does nothing.
+
+    Every rank of the data-parallel group must enter the block with the same parameters: the
+    gather is a collective.
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        modifier_rank: int | None = None,
+        fwd_module: nn.Module | None = None,
+        enabled: bool = True,
+    ) -> None:
+        del fwd_module
+        self.params = _as_list(params)
+        self.modifier_rank = modifier_rank
+        self.units = _units_of(self.params) if enabled else []
+        self._released: list[GatherUnit] = []
+
+    def __enter__(self) -> None:
+        self._released = [unit for unit in self.units if not unit.gathered]
+        works = [(unit, unit.start_gather()) for unit in self._released]
+        for unit, pending in works:
+            for work in pending:
+                work.wait()  # type: ignore[attr-defined]
+            unit.finish_gather()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self.modifier_rank is not None and exc_type is None:
+            self._publish(self.units, self.modifier_rank)
+        for unit in self._released:
+            unit.release()
+
+    @staticmethod
+    @torch.no_grad()
+    def _publish(units: Sequence[GatherUnit], rank: int) -> None:
+        """Broadcast the full buffers from ``rank`` and make every shard follow them."""
+        for unit in units:
+            for flat in unit.flats:
+                group = flat.comm.group
+                if flat.comm.partitioned:
+                    src = comm.get_global_rank(group, rank) if group is not None else rank
+                    comm.broadcast(flat.full, src=src, group=group)
+                flat.keep_full_values()

@@ -1,0 +1,94 @@
+"""ZeRO stage 3: parameters, gradients and optimizer state all partitioned across ranks.
+
+The strategy is stage 2's (:class:`~.partitioned.PartitionedStrategy` with
+:class:`~.partitioned_group.ChunkBuffers`) plus a :class:`~.param_sharding.ParamSharding` that
+keeps every parameter, trained or frozen, as this rank's shard and gathers it around its use.
+Its shard group is a :class:`~.sharded_group.ShardedParamsGroup`. The module's full state dict
+is gathered unit by unit; checkpoints keep stages 1-2's bucket layout, so they re-partition to
+any stage and world size.
+
+Communication per optimizer step without accumulation: an all-gather of every non-persistent
+parameter in forward and again in backward, and one reduce-scatter of the gradients: the
+``3Ψ(N-1)/N`` of DeepSpeed's ZeRO-3. With accumulation, gradients accumulate locally (full size,
+as stage 2) and are reduce-scattered once per optimizer step; parameters are gathered in every
+micro-step's forward and backward, as DeepSpeed does, so memory stays at the shards plus the
+units in use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardspeed.runtime.zero.comm_group import CommGroup
+from shardspeed.runtime.zero.param_sharding import ParamSharding, ShardingOptions
+from shardspeed.runtime.zero.partitioned import PartitionedStrategy
+from shardspeed.runtime.zero.partitioned_group import ChunkBuffers
+from shardspeed.runtime.zero.records import ParamRecord
+from shardspeed.runtime.zero.shard_group import ShardGroup
+from shardspeed.runtime.zero.sharded_group import ShardedParamsGroup
+from shardspeed.runtime.zero.strategy import StrategyContext
+
+
+class ParamPartitionStrategy(PartitionedStrategy):
+    """Stage 3: partitioned parameters, gradients and optimizer state."""
+
+    stage = 3
+    gradient_mode = ChunkBuffers
+
+    def __init__(self, module: nn.Module, ctx: StrategyContext) -> None:
+        super().__init__(module, ctx)
+        self.sharding = ParamSharding(
+            module,
+            self.registry,
+            ctx.data_parallel,
+            ShardingOptions.from_config(ctx.zero_config),
+        )
+
+    def place_module(self, move: bool = True) -> None:
+        super().place_module(move)
+        self.sharding.shard()
+
+    def make_group(self, records: list[ParamRecord], comm_group: CommGroup) -> ShardGroup:
+        return ShardedParamsGroup(
+            records,
+            comm_group,
+            self.placement,
+            self.group_options(),
+            mode=self.gradient_mode(),
+            sharding=self.sharding,
+        )
+
+    # -- the module ------------------------------------------------------------------------
+    def full_state_dict(
+        self, prefix: str = "", keep_vars: bool = False, exclude_frozen_parameters: bool = False
+    ) -> dict[str, Any]:
+        with self.sharding.gathered():
+            state = super().full_state_dict(prefix, keep_vars, exclude_frozen_parameters)
+            # the gathered buffers are released after this block: keep copies
+            return {
+                k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+                for k, v in state.items()
+            }
+
+    def load_full_state_dict(
+        self, state: dict[str, Any], strict: bool = True, custom_load_fn: Any = None
+    ) -> None:
+        with self.sharding.gathered():
+            super().load_full_state_dict(state, strict, custom_load_fn)
+            self.sharding.keep_full_values()
+
+    # -- backward --------------------------------------------------------------------------
+    def begin_backward(self, reduce: bool) -> None:
+        self.sharding.begin_backward()
+        super().begin_backward(reduce)
+
+    def end_backward(self) -> None:
+        super().end_backward()
+        self.sharding.end_backward()
+
+    def destroy(self) -> None:
+        self.sharding.remove_hooks()
+        super().destroy()

@@ -1,0 +1,78 @@
+"""A sharded-parameter shard group (ZeRO stage 3): stage 2's partitioned group whose parameters
+also live as shards.
+
+Its gradient buckets follow the gather units (one per unit and optimizer parameter group, laid
+out as that unit's :class:`~.flat_shard.FlatShard`), so a bucket's reduce-scatter hands every
+rank the gradient of exactly its parameter shard, and the optimizer steps the shard itself (fp32)
+or an fp32 copy of it (fp16/bf16). After the step nothing is all-gathered: the next forward
+gathers what it uses; only buffers that are gathered at that moment (persistent units) are
+refreshed. Reduced gradients, masters, fragments and checkpoint state are the partitioned
+group's (:class:`~.partitioned_group.ChunkBuffers` mode), so stage 3 checkpoints have the same
+bucket layout as stages 1 and 2 and re-partition across all of them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from shardspeed.runtime.zero.buckets import GradBucket, GradientBuckets
+from shardspeed.runtime.zero.flat_shard import FlatShard
+from shardspeed.runtime.zero.grad_storage import StagedStorage
+from shardspeed.runtime.zero.param_sharding import ParamSharding
+from shardspeed.runtime.zero.partition import FlatPartition
+from shardspeed.runtime.zero.partitioned_group import PartitionedGroup
+from shardspeed.runtime.zero.reduce_options import accumulation_dtype
+
+# a gather unit is never split by size: its bucket is exactly its flat buffer
+_UNBOUNDED = 2**62
+
+
+class ShardedParamsGroup(PartitionedGroup):
+    """Partitioned masters, optimizer state, gradients and parameters."""
+
+    def __init__(self, *args: Any, sharding: ParamSharding, **kwargs: Any) -> None:
+        self.sharding = sharding
+        super().__init__(*args, **kwargs)
+
+    def build_buckets(self) -> GradientBuckets:
+        policy = self.options.precision
+        mine = {id(r) for r in self.records}
+        # backward order of the units; inside a unit, one run per optimizer parameter group
+        ordered = [
+            record
+            for unit in reversed(self.sharding.units)
+            for record in sorted(
+                (r for r in unit.records if id(r) in mine), key=lambda r: r.opt_group
+            )
+        ]
+        buckets = GradientBuckets(
+            ordered,
+            _UNBOUNDED,
+            self._launch,
+            pad_to=self.comm.world_size,
+            split_key=lambda r: (r.unit.index if r.unit else -1, r.opt_group),
+            staged=StagedStorage(),
+            dtype=accumulation_dtype(policy, self.options.grad_accum_dtype, policy.param_dtype),
+        )
+        #: each bucket's parameters, kept as this rank's shard
+        self.shards: list[FlatShard] = self.sharding.adopt_buckets(buckets.buckets, self.comm)
+        self.partition = FlatPartition(
+            buckets.buckets, self.records, self.comm.world_size, self.comm.rank
+        )
+        self.sharding.watch_gradients(self.records)
+        return buckets
+
+    def _param_chunk(self, bucket: int) -> torch.Tensor:
+        return self.shards[bucket].shard
+
+    @staticmethod
+    def _opt_group(bucket: GradBucket) -> int:
+        return int(bucket.key[1])  # type: ignore[index]  # split by (unit, opt group)
+
+    def _gather_params(self) -> None:
+        # released buffers are gathered by the next forward; gathered ones must follow now
+        works = [w for flat in self.shards if (w := flat.refresh()) is not None]
+        for work in works:
+            work.wait()

@@ -1,0 +1,7 @@
+"""``deepspeed.zero``: the ZeRO-3 API users call by this short path."""
+
+from __future__ import annotations
+
+from shardspeed.runtime.zero.partition_parameters import GatheredParameters, ZeroParamStatus
+
+__all__ = ["GatheredParameters", "ZeroParamStatus"]
