@@ -65,9 +65,8 @@ class PendingSave:
         failure: BaseException | None = None
         if self.error is not None:
             failure = RuntimeError(
-                f"saving checkpoint {where} failed on this rank ({type(self.error).__name__}: "
-                f"{self.error}); nothing of it was committed and 'latest' still names the "
-                "previous tag"
+                f"saving checkpoint {where} failed on this rank ({_describe(self.error)}); "
+                "nothing of it was committed and 'latest' still names the previous tag"
             )
             failure.__cause__ = self.error
         try:
@@ -93,6 +92,16 @@ class PendingSave:
                 failure = error
         agree_on(failure, f"commit checkpoint {where}", self.device)
         log_dist(f"saved checkpoint {where}", ranks=[0])
+
+
+def _describe(error: BaseException) -> str:
+    """``error`` and, when it was raised while handling another (torch.save's cleanup after a
+    failed write), the first error of the chain: the one that says what went wrong."""
+    first = error
+    while (first.__cause__ or first.__context__) is not None:
+        first = first.__cause__ or first.__context__  # type: ignore[assignment]
+    text = f"{type(error).__name__}: {error}"
+    return text if first is error else f"{type(first).__name__}: {first}, then {text}"
 
 
 def start_save(
