@@ -147,12 +147,14 @@ def _rank_files(
             "optimizer_state_dict": optimizer_state,
             "dp_world_size": engine.dp_world_size,
         }
+    # every rank: gathering a partitioned module (stage 3) is a collective
+    module_state = engine.strategy.full_state_dict(
+        exclude_frozen_parameters=exclude_frozen_parameters
+    )
     if not commits:
         return files
     files[MODEL_STATES] = {
-        "module": engine.strategy.full_state_dict(
-            exclude_frozen_parameters=exclude_frozen_parameters
-        ),
+        "module": module_state,
         "optimizer": None if shard is not None else optimizer_state,
         "lr_scheduler": engine.lr_scheduler.state_dict()
         if engine.lr_scheduler is not None
@@ -285,11 +287,12 @@ def load(
 def save_module_weights(
     engine: DeepSpeedEngine, save_dir: str, save_filename: str, exclude_frozen_parameters: bool
 ) -> bool:
+    # every rank: gathering a partitioned module (stage 3) is a collective
+    weights = engine.strategy.weights_for_save(exclude_frozen_parameters)
+    if weights is None:
+        return False
     if engine.global_rank == 0:
         Path(save_dir).mkdir(parents=True, exist_ok=True)
-        weights = engine.strategy.full_state_dict(
-            exclude_frozen_parameters=exclude_frozen_parameters
-        )
         weights = {k: v.detach().cpu() for k, v in weights.items()}
         save_file(weights, Path(save_dir), save_filename)
     if comm.get_world_size() > 1:

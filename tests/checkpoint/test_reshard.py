@@ -25,8 +25,9 @@ from shardspeed.checkpoint.consolidate import get_fp32_state_dict_from_zero_chec
 from shardspeed.checkpoint.ds_to_universal import convert
 from shardspeed.checkpoint.reshard import Resharder
 from shardspeed.utils import logger, safe_get_full_fp32_param, safe_get_full_optimizer_state
+from shardspeed.zero import GatheredParameters
 from tests.runtime.parity import assert_close, make_task, param_setup, rank_rows
-from tests.runtime.zero.ranks import _engine, _precision
+from tests.runtime.zero.ranks import SHARD_ALL, _engine, _precision
 
 GLOBAL_ROWS = 8
 KEYS = ("exp_avg", "exp_avg_sq")
@@ -68,7 +69,7 @@ def _build(
     torch.manual_seed(0)
     task = make_task("gpt", rows=6 * GLOBAL_ROWS)
     torch.manual_seed(seed)  # the loading job's own initial weights must not matter
-    zero = {"reduce_bucket_size": bucket}
+    zero = {"reduce_bucket_size": bucket, **SHARD_ALL}
     config = {**_precision(dtype), **extra}
     model = task.build()
     params = param_setup(model, groups=True, freeze=True) if groups else None
@@ -84,7 +85,8 @@ def save_and_continue(
     engine.save_checkpoint(folder, tag="mid")
     saved = _full_state(engine)
     losses = _train(engine, task, range(3, 6), gas)
-    params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    with GatheredParameters(list(engine.module.parameters())):  # stage 3 holds shards
+        params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     if dist.get_rank() == 0:
         torch.save({"state": saved, "losses": losses, "params": params}, Path(folder) / "ref.pt")
     dist.barrier()
@@ -114,8 +116,9 @@ def load_and_continue(
         return
     losses = _train(engine, task, range(3, 6), gas)
     assert_close(torch.tensor(losses), torch.tensor(ref["losses"]), "losses", 1e-5, 1e-6)
-    for name, param in engine.module.named_parameters():
-        assert_close(param.detach(), ref["params"][name], name, 1e-5, 1e-6)
+    with GatheredParameters(list(engine.module.parameters())):
+        for name, param in engine.module.named_parameters():
+            assert_close(param.detach(), ref["params"][name], name, 1e-5, 1e-6)
     engine.destroy()
 
 
@@ -135,6 +138,14 @@ RESHAPES = {
     # two parameter groups (own lr and weight decay) and a frozen, tied embedding
     "groups-w2-s2-to-w4-s1": ((2, 2, 3000), (4, 1, 6000), "fp32-groups"),
     "groups-w4-s1-to-w2-s0": ((4, 1, 3000), (2, 0, 3000), "fp32-groups"),
+    # stage 3 (its buckets are its gather units, whatever the bucket size), both ways
+    "w2-s3-to-w4-s1": ((2, 3, 3000), (4, 1, 5000), "fp32"),
+    "w4-s2-to-w2-s3": ((4, 2, 3000), (2, 3, 3000), "fp32"),
+    "w2-s3-to-w1-s0": ((2, 3, 3000), (1, 0, 3000), "fp32"),
+    "w1-s0-to-w2-s3": ((1, 0, 3000), (2, 3, 3000), "fp32"),
+    "w2-s3-to-w4-s3": ((2, 3, 3000), (4, 3, 3000), "fp32"),
+    "bf16-w2-s3-to-w2-s0": ((2, 3, 3000), (2, 0, 3000), "bf16"),
+    "groups-w2-s3-to-w4-s2": ((2, 3, 3000), (4, 2, 6000), "fp32-groups"),
 }
 
 

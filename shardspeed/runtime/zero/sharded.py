@@ -17,6 +17,7 @@ units in use.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ from shardspeed.runtime.zero.records import ParamRecord
 from shardspeed.runtime.zero.shard_group import ShardGroup
 from shardspeed.runtime.zero.sharded_group import ShardedParamsGroup
 from shardspeed.runtime.zero.strategy import StrategyContext
+from shardspeed.utils.logging import log_dist
 
 
 class ParamPartitionStrategy(PartitionedStrategy):
@@ -72,6 +74,19 @@ class ParamPartitionStrategy(PartitionedStrategy):
                 k: v.detach().clone() if isinstance(v, torch.Tensor) else v
                 for k, v in state.items()
             }
+
+    def weights_for_save(self, exclude_frozen_parameters: bool = False) -> dict[str, Any] | None:
+        if not getattr(self.ctx.zero_config, "gather_16bit_weights_on_model_save", False):
+            log_dist(
+                "save_16bit_model: not saved, because ZeRO stage 3 keeps the weights partitioned "
+                "and zero_optimization.stage3_gather_16bit_weights_on_model_save is false; set "
+                "it to true to gather them at save time, or save a checkpoint and consolidate it "
+                "with zero_to_fp32 (shardspeed-zero-to-fp32)",
+                [0],
+                level=logging.WARNING,
+            )
+            return None
+        return super().weights_for_save(exclude_frozen_parameters)
 
     def load_full_state_dict(
         self, state: dict[str, Any], strict: bool = True, custom_load_fn: Any = None

@@ -140,6 +140,11 @@ class ZeroStrategy:
             state = {k: v for k, v in state.items() if k not in frozen}
         return state
 
+    def weights_for_save(self, exclude_frozen_parameters: bool = False) -> dict[str, Any] | None:
+        """The module weights ``save_16bit_model`` writes (every rank calls it), or None when
+        this strategy is configured not to assemble them (it says why)."""
+        return self.full_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
+
     def load_full_state_dict(
         self, state: dict[str, Any], strict: bool = True, custom_load_fn: Any = None
     ) -> None:

@@ -25,8 +25,12 @@ from shardspeed.utils import (
     safe_set_local_grad,
     safe_update_full_grad_vectorized,
 )
+from shardspeed.zero import GatheredParameters
 from tests.runtime.parity import MLP, TINY_GPT, adamw_config, assert_close, make_task, rank_rows
 
+#: ZeRO-3 partitions every parameter (DeepSpeed's default keeps small ones gathered); the
+#: key means nothing to the other stages
+SHARD_ALL = {"stage3_param_persistence_threshold": 0}
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -67,7 +71,11 @@ def stage_vs_stage0_low_precision(stage: int, dtype: str, steps: int = 12) -> No
     # coefficient into a visible difference on near-zero gradients (tests/runtime/parity.py)
     engines = [
         _engine(
-            copy.deepcopy(base), s, clip=0.0, zero={"reduce_bucket_size": 2000}, **_precision(dtype)
+            copy.deepcopy(base),
+            s,
+            clip=0.0,
+            zero={"reduce_bucket_size": 2000, **SHARD_ALL},
+            **_precision(dtype),
         )
         for s in (0, stage)
     ]
@@ -82,12 +90,13 @@ def stage_vs_stage0_low_precision(stage: int, dtype: str, steps: int = 12) -> No
             engine.step()
             losses.append(loss.detach().float())
         assert_close(losses[1], losses[0], f"loss at step {step}", rtol, rtol)
-        for (name, p), q in zip(
-            engines[1].module.named_parameters(), engines[0].module.parameters(), strict=True
-        ):
-            assert p.dtype == DTYPES[dtype]
-            # both step fp32 masters; the model copies may differ by one low-precision ulp
-            assert_close(p.detach(), q.detach(), f"{name} at step {step}", rtol, rtol)
+        with GatheredParameters(list(engines[1].module.parameters())):
+            for (name, p), q in zip(
+                engines[1].module.named_parameters(), engines[0].module.parameters(), strict=True
+            ):
+                assert p.dtype == DTYPES[dtype]
+                # both step fp32 masters; the model copies may differ by one low-precision ulp
+                assert_close(p.detach(), q.detach(), f"{name} at step {step}", rtol, rtol)
         master = safe_get_full_fp32_param(next(engines[1].module.parameters()))
         assert master is not None and master.dtype == torch.float32
     for engine in engines:
@@ -99,8 +108,8 @@ def no_sync_equals_accumulation(stage: int, steps: int = 6) -> None:
     torch.manual_seed(0)
     task = make_task("gpt", rows=steps * 2 * 2 * dist.get_world_size())
     base = task.build()
-    accumulate = _engine(copy.deepcopy(base), stage, gas=2)
-    manual = _engine(copy.deepcopy(base), stage, gas=1)
+    accumulate = _engine(copy.deepcopy(base), stage, gas=2, zero=SHARD_ALL)
+    manual = _engine(copy.deepcopy(base), stage, gas=1, zero=SHARD_ALL)
     x, y = task.data
     for step in range(steps):
         for micro_step in range(2):
@@ -114,8 +123,12 @@ def no_sync_equals_accumulation(stage: int, steps: int = 6) -> None:
             else:
                 manual.backward(manual(x[rows], y[rows]) / 2)
                 manual.step()
-        for p, q in zip(accumulate.module.parameters(), manual.module.parameters(), strict=True):
-            assert_close(p.detach(), q.detach(), f"param at step {step}", 1e-5, 1e-6)
+        params = [*accumulate.module.parameters(), *manual.module.parameters()]
+        with GatheredParameters(params):
+            for p, q in zip(
+                accumulate.module.parameters(), manual.module.parameters(), strict=True
+            ):
+                assert_close(p.detach(), q.detach(), f"param at step {step}", 1e-5, 1e-6)
     for engine in (accumulate, manual):
         engine.destroy()
 
@@ -124,7 +137,7 @@ def comm_bus_bytes_per_step(stage: int, gas: int, steps: int = 3) -> dict[str, f
     """Bus bytes this rank moved per optimizer step (after one warm-up step), and Ψ."""
     torch.manual_seed(0)
     model = MLP(width=64, depth=4)
-    engine = _engine(model, stage, gas=gas, zero={"reduce_bucket_size": 3000})
+    engine = _engine(model, stage, gas=gas, zero={"reduce_bucket_size": 3000, **SHARD_ALL})
     x, y = torch.randn(2, 64), torch.randn(2, 1)
 
     def one_step() -> None:
@@ -298,8 +311,10 @@ def config_error(stage: int, case: str) -> str:
 def fp16_overflow_skips_everywhere(stage: int) -> list[float]:
     """An inf in one rank's gradient partition skips the step on every rank."""
     torch.manual_seed(0)
-    engine = _engine(MLP(width=8), stage, **_precision("fp16"))
-    before = [p.detach().clone() for p in engine.module.parameters()]
+    engine = _engine(MLP(width=8), stage, zero=SHARD_ALL, **_precision("fp16"))
+    params = list(engine.module.parameters())
+    with GatheredParameters(params):
+        before = [p.detach().clone() for p in params]
     x, y = torch.randn(2, 8, dtype=torch.float16), torch.randn(2, 1, dtype=torch.float16)
     engine.backward(engine(x, y))
     first = next(engine.module.parameters())
@@ -308,8 +323,9 @@ def fp16_overflow_skips_everywhere(stage: int) -> list[float]:
         safe_set_local_grad(first, torch.full_like(local, float("inf")))
     engine.step()
     assert engine.skipped_steps == 1
-    for b, p in zip(before, engine.module.parameters(), strict=True):
-        assert torch.equal(b, p)
+    with GatheredParameters(params):
+        for b, p in zip(before, params, strict=True):
+            assert torch.equal(b, p)
     scale = engine.optimizer.loss_scale
     engine.destroy()
     return [scale]

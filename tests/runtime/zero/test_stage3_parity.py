@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from tests.runtime.parity import run_parity
+from tests.runtime.zero import ranks
 
 STEPS = 20
 # every unit partitioned (DeepSpeed's default keeps parameters under 100k elements gathered)
@@ -36,3 +37,29 @@ def test_param_groups_frozen_layer_and_persistent_units(dist_pool):
     """Two groups with their own lr and weight decay, a frozen first layer, and DeepSpeed's
     default persistence threshold (the tiny model's small units stay gathered)."""
     dist_pool(2).run(run_parity, "gpt", 2, 1.0, 8, stage=3, groups=True, freeze=True, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_low_precision_matches_stage0(dist_pool, dtype):
+    """fp16 (loss scaling) and bf16 with fp32 master shards, within the dtype's tolerance."""
+    dist_pool(2).run(ranks.stage_vs_stage0_low_precision, 3, dtype)
+
+
+def test_fp16_overflow_skips_on_every_rank(dist_pool):
+    scales = dist_pool(2).run(ranks.fp16_overflow_skips_everywhere, 3)
+    assert scales[0] == scales[1]
+
+
+def test_no_sync_equals_accumulation(dist_pool):
+    dist_pool(2).run(ranks.no_sync_equals_accumulation, 3)
+
+
+@pytest.mark.parametrize("gas", [1, 4], ids=["gas1", "gas4"])
+@pytest.mark.parametrize("world", [2, 4], ids=["w2", "w4"])
+def test_bus_volume_per_step(dist_pool, world, gas):
+    """Per optimizer step: every micro-step's forward and backward all-gather the parameters,
+    and the accumulated gradients are reduce-scattered once: (2 gas + 1) Ψ (N-1)/N elements
+    (3Ψ(N-1)/N without accumulation, ZeRO-3's figure)."""
+    for result in dist_pool(world).run(ranks.comm_bus_bytes_per_step, 3, gas):
+        expected = (2 * gas + 1) * result["params"] * (world - 1) / world * 4  # fp32
+        assert result["bus_bytes"] == pytest.approx(expected, rel=0.05)
