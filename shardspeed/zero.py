@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from shardspeed.runtime.zero.init_context import Init
 from shardspeed.runtime.zero.partition_parameters import GatheredParameters, ZeroParamStatus
 
-__all__ = ["GatheredParameters", "ZeroParamStatus"]
+__all__ = ["GatheredParameters", "Init", "ZeroParamStatus"]

@@ -90,6 +90,19 @@ class FlatShard:
             self.full.untyped_storage().resize_(0)
             self.gathered = False
 
+    def holds(self, param: torch.Tensor) -> bool:
+        return any(p is param for p in self.params)
+
+    def piece_of(self, param: torch.Tensor) -> torch.Tensor:
+        """The part of this rank's shard that holds elements of ``param`` (1-D, maybe empty)."""
+        index = next(i for i, p in enumerate(self.params) if p is param)
+        start, stop = self.offsets[index], self.offsets[index] + param.numel()
+        own = self.chunk_slice
+        lo, hi = max(start, own.start), min(stop, own.stop)
+        if lo >= hi:
+            return self.shard[:0]
+        return self.shard[lo - own.start : hi - own.start]
+
     @torch.no_grad()
     def keep_full_values(self) -> None:
         """Make the shard follow the (gathered) full buffer, after its values were written
@@ -97,3 +110,20 @@ class FlatShard:
         assert self.gathered, "only a gathered buffer holds full values"
         if self.comm.partitioned:
             self.shard.copy_(self.full[self.chunk_slice])
+
+
+def pack_flat_shards(params: Sequence[nn.Parameter], comm_group: CommGroup) -> list[FlatShard]:
+    """``params`` packed one after another in one flat buffer per dtype, each padded to a
+    multiple of the world size."""
+    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+    for param in params:
+        by_dtype.setdefault(param.dtype, []).append(param)
+    flats = []
+    world = comm_group.world_size
+    for group in by_dtype.values():
+        offsets, total = [], 0
+        for param in group:
+            offsets.append(total)
+            total += param.numel()
+        flats.append(FlatShard(group, offsets, -(-total // world) * world, comm_group))
+    return flats

@@ -82,6 +82,35 @@ class GatherUnit:
             record.state = state
 
 
+#: where zero.Init keeps the unit of a module it partitioned at construction (the module
+#: keeps it alive until the engine's strategy takes its parameters over)
+CONSTRUCTED_UNIT_ATTR = "_shardspeed_constructed_unit"
+
+
+def constructed_unit(module: nn.Module) -> GatherUnit | None:
+    unit = module.__dict__.get(CONSTRUCTED_UNIT_ATTR)
+    return unit if isinstance(unit, GatherUnit) else None
+
+
+def constructed_units(module: nn.Module) -> dict[int, GatherUnit]:
+    """Each parameter partitioned by ``zero.Init`` in ``module``'s tree -> its unit, by id."""
+    found: dict[int, GatherUnit] = {}
+    for sub in module.modules():
+        unit = constructed_unit(sub)
+        if unit is not None:
+            for record in unit.records:
+                found.setdefault(id(record.param), unit)
+    return found
+
+
+def forget_constructed_units(module: nn.Module) -> None:
+    """Drop the construction-time units (their parameters moved into the strategy's)."""
+    for sub in module.modules():
+        unit = sub.__dict__.pop(CONSTRUCTED_UNIT_ATTR, None)
+        if isinstance(unit, GatherUnit):
+            unit.flats = []
+
+
 def _module_params(module: nn.Module) -> Iterator[nn.Parameter]:
     # a leaf module holds its whole subtree
     yield from module.parameters(recurse=is_leaf_module(module))

@@ -31,11 +31,18 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from shardspeed import comm
 from shardspeed.runtime.zero.buckets import GradBucket
 from shardspeed.runtime.zero.comm_group import CommGroup
-from shardspeed.runtime.zero.flat_shard import FlatShard
-from shardspeed.runtime.zero.gather_units import GatherUnit, plan_units
+from shardspeed.runtime.zero.flat_shard import FlatShard, pack_flat_shards
+from shardspeed.runtime.zero.gather_units import (
+    GatherUnit,
+    constructed_units,
+    forget_constructed_units,
+    plan_units,
+)
 from shardspeed.runtime.zero.records import ParamRecord, ParamRegistry, record_of
+from shardspeed.runtime.zero.zero_parameter import mark_partitioned, unmark_partitioned
 
 
 @dataclass(frozen=True)
@@ -62,8 +69,12 @@ def _wait(works: Iterable[Any]) -> None:
         work.wait()
 
 
-def _padded(numel: int, world: int) -> int:
-    return -(-numel // world) * world
+def _distinct(units: Iterable[GatherUnit | None]) -> list[GatherUnit]:
+    seen: list[GatherUnit] = []
+    for unit in units:
+        if unit is not None and unit not in seen:
+            seen.append(unit)
+    return seen
 
 
 class ParamSharding:
@@ -80,17 +91,41 @@ class ParamSharding:
         self._handles: list[Any] = []
 
     # -- setting up -------------------------------------------------------------------------
-    def shard(self) -> None:
-        """Keep only this rank's shard of every parameter (the module holds full, equal
-        weights on every rank) and install the hooks."""
+    @torch.no_grad()
+    def shard(
+        self, dtype: torch.dtype | None, device: torch.device | None, src: int | None
+    ) -> None:
+        """Keep only this rank's shard of every parameter, unit by unit, and install the hooks.
+
+        Each unit's parameters are cast to ``dtype`` (floating ones; None keeps theirs), moved
+        to ``device`` (None keeps it) and, if ``src`` is a global rank, given that rank's
+        values. Parameters partitioned at construction (``zero.Init``) are gathered one unit at
+        a time, so the whole model is never held at once."""
+        constructed = constructed_units(self.module)
         budget = self.options.model_persistence_threshold
         for unit in self.units:
-            unit.flats = self._flats(unit.records)
+            earlier = _distinct(constructed.get(id(r.param)) for r in unit.records)
+            self._fetch(earlier)
+            for record in unit.records:
+                param = record.param
+                cast = dtype if dtype is not None and param.is_floating_point() else param.dtype
+                param.data = param.data.to(device=device or param.device, dtype=cast)
+            unit.flats = pack_flat_shards([r.param for r in unit.records], self.comm)
+            if src is not None and self.comm.partitioned:
+                for flat in unit.flats:
+                    comm.broadcast(flat.full, src=src, group=self.comm.group)
+                    flat.keep_full_values()
             small = all(r.numel < self.options.param_persistence_threshold for r in unit.records)
             if small and unit.numel <= budget:
                 unit.persistent = True
                 budget -= unit.numel
             unit.finish_gather()
+            for record in unit.records:
+                mark_partitioned(record.param)
+            unit.release()
+            for done in earlier:
+                done.release()
+        forget_constructed_units(self.module)
         for unit in self.units:
             self._handles.append(
                 unit.module.register_forward_pre_hook(partial(self._pre_forward, unit))
@@ -98,26 +133,12 @@ class ParamSharding:
             self._handles.append(
                 unit.module.register_forward_hook(partial(self._post_forward, unit))
             )
-        self.release_all()
 
-    def _flats(self, records: Sequence[ParamRecord]) -> list[FlatShard]:
-        """``records`` packed in one flat buffer per dtype."""
-        by_dtype: dict[torch.dtype, list[ParamRecord]] = {}
-        for record in records:
-            by_dtype.setdefault(record.param.dtype, []).append(record)
-        flats = []
-        for group in by_dtype.values():
-            offsets, total = [], 0
-            for record in group:
-                offsets.append(total)
-                total += record.numel
-            size = _padded(total, self.comm.world_size)
-            flats.append(FlatShard([r.param for r in group], offsets, size, self.comm))
-        return flats
-
-    def adopt_buckets(self, buckets: Sequence[GradBucket], comm: CommGroup) -> list[FlatShard]:
+    def adopt_buckets(
+        self, buckets: Sequence[GradBucket], comm_group: CommGroup
+    ) -> list[FlatShard]:
         """Lay the trained parameters out as the shard group's ``buckets`` (one flat buffer
-        each, in bucket order, sharded over the group's ``comm``: Mixture of Experts shards
+        each, in bucket order, sharded over ``comm_group``: Mixture of Experts shards
         expert parameters over their expert-data-parallel group); a unit's other parameters
         keep a buffer of their own."""
         by_unit: dict[int, list[GradBucket]] = {}
@@ -132,12 +153,12 @@ class ParamSharding:
             placed: set[int] = set()
             flats = []
             for bucket in unit_buckets:
-                flat = FlatShard(bucket.params, bucket.offsets, bucket.size, comm)
+                flat = FlatShard(bucket.params, bucket.offsets, bucket.size, comm_group)
                 adopted[bucket.index] = flat
                 flats.append(flat)
                 placed.update(id(p) for p in bucket.params)
             rest = [r for r in unit.records if id(r.param) not in placed]
-            unit.flats = flats + self._flats(rest)
+            unit.flats = flats + pack_flat_shards([r.param for r in rest], self.comm)
             if not was_gathered:
                 unit.release()
         return [adopted[bucket.index] for bucket in buckets]
@@ -159,6 +180,9 @@ class ParamSharding:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for unit in self.units:
+            for record in unit.records:
+                unmark_partitioned(record.param)
 
     # -- gathering --------------------------------------------------------------------------
     def _fetch(self, units: Iterable[GatherUnit]) -> None:

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterable, Sequence
 from types import TracebackType
 from typing import Any
@@ -21,33 +20,10 @@ from torch import nn
 
 from shardspeed import comm
 from shardspeed.runtime.zero.gather_units import GatherUnit
-from shardspeed.runtime.zero.records import ParamState, record_of
+from shardspeed.runtime.zero.records import record_of
+from shardspeed.runtime.zero.zero_parameter import ZeroParameter, ZeroParamStatus, param_status
 
-__all__ = ["GatheredParameters", "ZeroParamStatus", "param_status"]
-
-
-class ZeroParamStatus(enum.Enum):
-    """DeepSpeed's parameter states."""
-
-    #: whole on this rank
-    AVAILABLE = 1
-    #: only this rank's shard is held
-    NOT_AVAILABLE = 2
-    #: being gathered
-    INFLIGHT = 3
-
-
-_STATUS = {
-    ParamState.GATHERED: ZeroParamStatus.AVAILABLE,
-    ParamState.SHARDED: ZeroParamStatus.NOT_AVAILABLE,
-    ParamState.GATHERING: ZeroParamStatus.INFLIGHT,
-}
-
-
-def param_status(param: torch.Tensor) -> ZeroParamStatus:
-    """``param``'s DeepSpeed status (AVAILABLE for any parameter ZeRO-3 does not partition)."""
-    record = record_of(param)
-    return ZeroParamStatus.AVAILABLE if record is None else _STATUS[record.state]
+__all__ = ["GatheredParameters", "ZeroParamStatus", "ZeroParameter", "param_status", "publish"]
 
 
 def _as_list(params: Any) -> list[torch.Tensor]:
@@ -108,18 +84,19 @@ class GatheredParameters:
         tb: TracebackType | None,
     ) -> None:
         if self.modifier_rank is not None and exc_type is None:
-            self._publish(self.units, self.modifier_rank)
+            publish(self.units, self.modifier_rank)
         for unit in self._released:
             unit.release()
 
-    @staticmethod
-    @torch.no_grad()
-    def _publish(units: Sequence[GatherUnit], rank: int) -> None:
-        """Broadcast the full buffers from ``rank`` and make every shard follow them."""
-        for unit in units:
-            for flat in unit.flats:
-                group = flat.comm.group
-                if flat.comm.partitioned:
-                    src = comm.get_global_rank(group, rank) if group is not None else rank
-                    comm.broadcast(flat.full, src=src, group=group)
-                flat.keep_full_values()
+
+@torch.no_grad()
+def publish(units: Sequence[GatherUnit], rank: int) -> None:
+    """Broadcast the (gathered) full buffers of ``units`` from group rank ``rank`` and make
+    every rank's shards follow them."""
+    for unit in units:
+        for flat in unit.flats:
+            group = flat.comm.group
+            if flat.comm.partitioned:
+                src = comm.get_global_rank(group, rank) if group is not None else rank
+                comm.broadcast(flat.full, src=src, group=group)
+            flat.keep_full_values()

@@ -48,6 +48,8 @@ class ParamRecord:
 
     name: str
     param: nn.Parameter
+    #: its position in the registry (DeepSpeed's ``ds_id``)
+    index: int = 0
     state: ParamState = ParamState.GATHERED
     #: the shard group that reduces (and steps) it; None if nothing trains it
     group: ShardGroup | None = field(default=None, repr=False)
@@ -90,6 +92,12 @@ class ParamRecord:
 _INDEX: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
+def index_record(record: ParamRecord) -> None:
+    """Make :func:`record_of` find ``record`` for its parameter (a record outside any registry:
+    one ``zero.Init`` made while building the module; whoever keeps it alive keeps it found)."""
+    _INDEX[record.param] = weakref.ref(record)
+
+
 def record_of(param: torch.Tensor) -> ParamRecord | None:
     """The record of ``param`` in the registry of the live strategy that manages it, or None."""
     ref = _INDEX.get(param)
@@ -105,7 +113,7 @@ class ParamRegistry:
         self.records: list[ParamRecord] = []
         self._by_id: dict[int, ParamRecord] = {}
         for name, param in module.named_parameters():
-            record = ParamRecord(name, param, owner_ref=self._owner)
+            record = ParamRecord(name, param, len(self.records), owner_ref=self._owner)
             self.records.append(record)
             self._by_id[id(param)] = record
             _INDEX[param] = weakref.ref(record)

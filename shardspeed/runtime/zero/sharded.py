@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardspeed import comm
 from shardspeed.runtime.zero.comm_group import CommGroup
 from shardspeed.runtime.zero.param_sharding import ParamSharding, ShardingOptions
 from shardspeed.runtime.zero.partitioned import PartitionedStrategy
@@ -49,9 +50,27 @@ class ParamPartitionStrategy(PartitionedStrategy):
             ShardingOptions.from_config(ctx.zero_config),
         )
 
+    @torch.no_grad()
     def place_module(self, move: bool = True) -> None:
-        super().place_module(move)
-        self.sharding.shard()
+        """Cast and move the buffers as the other stages do, then hand every parameter to the
+        sharding unit by unit (never the whole module at once: it may have been built
+        partitioned by ``zero.Init`` because it does not fit)."""
+        dtype = self.ctx.precision.param_dtype
+        device = self.placement.device if move else None
+        dp = self.ctx.data_parallel
+        src = comm.get_global_rank(dp.group, 0) if dp.group is not None else 0
+        for module in self.module.modules():
+            for key, buffer in module._buffers.items():
+                if buffer is None:
+                    continue
+                cast = dtype if buffer.is_floating_point() else buffer.dtype
+                placed = buffer.to(device=device or buffer.device, dtype=cast)
+                if dp.partitioned:
+                    comm.broadcast(placed, src=src, group=dp.group)
+                module._buffers[key] = placed
+        self.sharding.shard(
+            dtype if dtype != torch.float32 else None, device, src if dp.partitioned else None
+        )
 
     def make_group(self, records: list[ParamRecord], comm_group: CommGroup) -> ShardGroup:
         return ShardedParamsGroup(

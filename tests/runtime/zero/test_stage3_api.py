@@ -32,3 +32,19 @@ def test_features_not_built_yet_are_refused_by_name(keys, named):
     zero = DeepSpeedZeroConfig(stage=3, **keys)
     with pytest.raises(NotImplementedError, match=named):
         check_zero_config(zero)
+
+
+@pytest.mark.parametrize("world", [2, 4], ids=["w2", "w4"])
+def test_init_builds_the_model_partitioned(dist_pool, world):
+    for result in dist_pool(world).run(stage3_ranks.init_builds_partitioned):
+        print(
+            f"zero.Init world {world}: "
+            + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in result.items())
+        )
+        # the peak while building is this rank's share plus about one module (the largest
+        # holds 2.25 MiB here), far under the full model (2x or 4x the share)
+        assert result["peak"] < result["held"] + 8 * 2**20, result
+
+
+def test_init_model_trains_like_a_normal_build(dist_pool):
+    dist_pool(2).run(stage3_ranks.init_trains_like_a_normal_build)

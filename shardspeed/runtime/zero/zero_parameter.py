@@ -1,0 +1,95 @@
+"""DeepSpeed's view of a ZeRO-3 parameter: its status enum and the read-only ``ds_*`` fields.
+
+User code and Hugging Face read ``param.ds_id``, ``ds_status``, ``ds_numel``, ``ds_shape``,
+``ds_tensor`` and ``ds_persist`` (and test ``hasattr(param, "ds_id")`` to tell a partitioned
+parameter). shardspeed keeps every fact on the parameter's
+:class:`~shardspeed.runtime.zero.records.ParamRecord`; a partitioned parameter's class becomes
+:class:`ZeroParameter`, whose ``ds_*`` properties read that record. Nothing is stored on the
+tensor, and the class goes back to ``nn.Parameter`` when the strategy is destroyed.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+from torch import nn
+
+from shardspeed.runtime.zero.records import ParamRecord, ParamState, record_of
+
+__all__ = ["ZeroParamStatus", "ZeroParameter", "param_status"]
+
+
+class ZeroParamStatus(enum.Enum):
+    """DeepSpeed's parameter states."""
+
+    #: whole on this rank
+    AVAILABLE = 1
+    #: only this rank's shard is held
+    NOT_AVAILABLE = 2
+    #: being gathered
+    INFLIGHT = 3
+
+
+_STATUS = {
+    ParamState.GATHERED: ZeroParamStatus.AVAILABLE,
+    ParamState.SHARDED: ZeroParamStatus.NOT_AVAILABLE,
+    ParamState.GATHERING: ZeroParamStatus.INFLIGHT,
+}
+
+
+def param_status(param: torch.Tensor) -> ZeroParamStatus:
+    """``param``'s DeepSpeed status (AVAILABLE for any parameter ZeRO-3 does not partition)."""
+    record = record_of(param)
+    return ZeroParamStatus.AVAILABLE if record is None else _STATUS[record.state]
+
+
+class ZeroParameter(nn.Parameter):
+    """A parameter ZeRO-3 partitions (see the module docstring); behaves as ``nn.Parameter``."""
+
+    def _record(self) -> ParamRecord:
+        record = record_of(self)
+        if record is None:
+            raise AttributeError("this parameter is no longer managed by ZeRO-3")
+        return record
+
+    @property
+    def ds_id(self) -> int:
+        return self._record().index
+
+    @property
+    def ds_status(self) -> ZeroParamStatus:
+        return param_status(self)
+
+    @property
+    def ds_numel(self) -> int:
+        return self.numel()
+
+    @property
+    def ds_shape(self) -> torch.Size:
+        return self.shape
+
+    @property
+    def ds_persist(self) -> bool:
+        unit = self._record().unit
+        return bool(unit is not None and unit.persistent)
+
+    @property
+    def ds_tensor(self) -> torch.Tensor:
+        """This rank's part of the parameter (1-D; its length depends on where the parameter
+        sits in its flat buffer, and may be 0)."""
+        unit = self._record().unit
+        assert unit is not None
+        flat = next(f for f in unit.flats if f.holds(self))
+        return flat.piece_of(self)
+
+
+def mark_partitioned(param: nn.Parameter) -> None:
+    """Give ``param`` the ``ds_*`` views (see :class:`ZeroParameter`)."""
+    if type(param) is nn.Parameter:
+        param.__class__ = ZeroParameter
+
+
+def unmark_partitioned(param: nn.Parameter) -> None:
+    if type(param) is ZeroParameter:
+        param.__class__ = nn.Parameter  # type: ignore[assignment]  # the class it had
