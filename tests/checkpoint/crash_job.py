@@ -43,19 +43,26 @@ def _step(engine: Any, task: Any, step: int) -> float:
     return total.item() / dist.get_world_size()
 
 
-def train_and_save(engine: Any, task: Any, folder: str, kill_at: int | None) -> list[float]:
-    """Steps 0-1, save A, step 2, save B (killing this process at point ``kill_at`` of it);
-    returns the losses."""
+def train_and_save(
+    engine: Any, task: Any, folder: str, kill_at: int | None, events: str | None = None
+) -> list[float]:
+    """Steps 0-1, save A, step 2, save B (killing this process at point ``kill_at`` of it, or
+    recording its points to ``events``); returns the losses."""
     losses = []
     for step in range(SAVES["B"]):
         losses.append(_step(engine, task, step))
         if step + 1 == SAVES["A"]:
             engine.save_checkpoint(folder, tag="A")
-    crash_points.reset()
+    crash_points.reset()  # points are counted from the start of the save of B
     if kill_at is not None:
         os.environ[crash_points.KILL_AT] = str(kill_at)
-    engine.save_checkpoint(folder, tag="B")
-    os.environ.pop(crash_points.KILL_AT, None)
+    if events is not None:
+        os.environ[crash_points.EVENTS] = events
+    try:
+        engine.save_checkpoint(folder, tag="B")
+    finally:
+        os.environ.pop(crash_points.KILL_AT, None)
+        os.environ.pop(crash_points.EVENTS, None)
     return losses
 
 
@@ -82,11 +89,7 @@ def reference_run(folder: str, events: str) -> None:
     """The uninterrupted job: every point of the save of B to ``events``.<rank>; the losses of
     every step and the final parameters to ``folder``/ref.pt."""
     engine, task = _build(seed=0)
-    os.environ[crash_points.EVENTS] = f"{events}.{dist.get_rank()}"
-    try:
-        losses = train_and_save(engine, task, folder, None)
-    finally:
-        os.environ.pop(crash_points.EVENTS, None)
+    losses = train_and_save(engine, task, folder, None, f"{events}.{dist.get_rank()}")
     losses += [_step(engine, task, step) for step in range(SAVES["B"], STEPS)]
     params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     if dist.get_rank() == 0:
