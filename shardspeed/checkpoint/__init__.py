@@ -2,7 +2,12 @@
 ``deepspeed.checkpoint``).
 
 - :mod:`.files`: file and folder names of a checkpoint, finding a tag;
-- :mod:`.reader`: :func:`~.reader.load_file`, through which every checkpoint file is read;
+- :mod:`.reader`: :func:`~.reader.load_file`, through which every checkpoint file is read, with
+  ``weights_only=True`` and :mod:`.allowlist` (DeepSpeed's data-only types, as plain data);
+- :mod:`.manifest`: the per-tag list of files, sizes and CRC-32s, checked before a load;
+- :mod:`.snapshot`, :mod:`.file_writer`, :mod:`.durable`, :mod:`.commit`: writing a tag whole or
+  not at all (plain data only, durable files in a staging folder, the manifest, the rename, then
+  ``latest``); :mod:`.crash_points`: the test-only hook that kills or fails a save at a point;
 - :mod:`.layout`: the typed, versioned layout of saved optimizer state (which parameter sits
   where in which flat bucket);
 - :mod:`.sources`: every saved form of optimizer state (shardspeed's stages 0-2, universal
