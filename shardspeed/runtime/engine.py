@@ -419,6 +419,11 @@ class DeepSpeedEngine(nn.Module):
             self, save_dir, save_filename, exclude_frozen_parameters
         )
 
+    def empty_partition_cache(self) -> None:
+        """Free the ZeRO-3 parameters kept gathered between uses (the persistent small ones);
+        they are gathered again when next used. Nothing to free at stages 0-2."""
+        self.strategy.empty_partition_cache()
+
     def wait_for_checkpoint(self) -> None:
         """Wait until the checkpoint being written in the background (``checkpoint.writer
         .decoupled``) is on disk and ``latest`` names it. Every rank must call it, as

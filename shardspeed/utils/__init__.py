@@ -1,6 +1,7 @@
 """Utilities DeepSpeed documents under ``deepspeed.utils``.
 
-The ``safe_*`` ZeRO state accessors need torch and are loaded on first use (PEP 562), so that
+The ``safe_*`` ZeRO state accessors and the ZeRO-3 leaf-module marks need torch and are
+loaded on first use (PEP 562), so that
 ``import shardspeed`` (which imports ``shardspeed.utils.logging``) stays torch-free.
 """
 
@@ -29,12 +30,36 @@ _TENSOR_FRAGMENT_NAMES = frozenset(
 )
 
 
+_LEAF_MODULE_NAMES = frozenset(
+    {
+        "get_z3_leaf_modules",
+        "set_z3_leaf_module",
+        "set_z3_leaf_modules",
+        "set_z3_leaf_modules_by_name",
+        "set_z3_leaf_modules_by_suffix",
+        "unset_z3_leaf_modules",
+        "z3_leaf_module",
+        "z3_leaf_parameter",
+    }
+)
+
+
 def __getattr__(name: str) -> Any:
-    if name in _TENSOR_FRAGMENT_NAMES:
-        value = getattr(importlib.import_module("shardspeed.utils.tensor_fragment"), name)
-        globals()[name] = value
-        return value
+    for names, module in (
+        (_TENSOR_FRAGMENT_NAMES, "shardspeed.utils.tensor_fragment"),
+        (_LEAF_MODULE_NAMES, "shardspeed.utils.z3_leaf_module"),
+    ):
+        if name in names:
+            value = getattr(importlib.import_module(module), name)
+            globals()[name] = value
+            return value
     raise AttributeError(f"module 'shardspeed.utils' has no attribute {name!r}")
 
 
-__all__ = ["RepeatingLoader", "log_dist", "logger", *sorted(_TENSOR_FRAGMENT_NAMES)]
+__all__ = [
+    "RepeatingLoader",
+    "log_dist",
+    "logger",
+    *sorted(_TENSOR_FRAGMENT_NAMES),
+    *sorted(_LEAF_MODULE_NAMES),
+]

@@ -15,6 +15,7 @@ buckets) and one for the rest. Its state is its records' :class:`ParamState`.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -22,13 +23,15 @@ from torch import nn
 
 from shardspeed.runtime.zero.flat_shard import FlatShard
 from shardspeed.runtime.zero.records import ParamRecord, ParamRegistry, ParamState
+from shardspeed.utils.z3_leaf_module import z3_leaf_module as is_leaf_module
 
-#: the attribute DeepSpeed's set_z3_leaf_modules sets on a module instance
-Z3_LEAF_ATTR = "_z3_leaf"
+#: parameters a module's forward uses that it does not register (register_external_parameter)
+_EXTERNAL: weakref.WeakKeyDictionary[nn.Module, list[nn.Parameter]] = weakref.WeakKeyDictionary()
 
 
-def is_leaf_module(module: nn.Module) -> bool:
-    return bool(getattr(module, Z3_LEAF_ATTR, False))
+def external_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters registered as used by ``module``'s forward from elsewhere."""
+    return _EXTERNAL.setdefault(module, [])
 
 
 @dataclass(eq=False)
@@ -70,8 +73,9 @@ class GatherUnit:
     def finish_gather(self) -> None:
         self._set_state(ParamState.GATHERED)
 
-    def release(self) -> None:
-        if self.persistent:
+    def release(self, force: bool = False) -> None:
+        """Free the full buffers (a persistent unit only when ``force``)."""
+        if self.persistent and not force:
             return
         for flat in self.flats:
             flat.release()
@@ -117,29 +121,39 @@ def _module_params(module: nn.Module) -> Iterator[nn.Parameter]:
 
 
 def plan_units(module: nn.Module, registry: ParamRegistry) -> list[GatherUnit]:
-    """One unit per module that holds parameters, in module order (see the module docstring)."""
+    """One unit per module that holds parameters, in module order (see the module docstring);
+    then each module's uses: parameters it registers or was given that live elsewhere."""
     units: list[GatherUnit] = []
+    unit_of_module: dict[int, GatherUnit] = {}
     home: dict[int, GatherUnit] = {}
+    planned: list[tuple[str, nn.Module]] = []
     inside_leaf: set[int] = set()
     for name, sub in module.named_modules():
         if id(sub) in inside_leaf:
             continue
         if is_leaf_module(sub):
             inside_leaf.update(id(m) for m in sub.modules() if m is not sub)
-        own: list[ParamRecord] = []
+        planned.append((name, sub))
+        own = [r for p in _module_params(sub) if id(r := registry[p]) not in home]
+        if own:
+            unit = GatherUnit(len(units), name, sub, own)
+            for record in own:
+                home[id(record)] = unit
+                record.unit = unit
+            units.append(unit)
+            unit_of_module[id(sub)] = unit
+    for name, sub in planned:
         uses: list[GatherUnit] = []
-        for param in _module_params(sub):
-            record = registry[param]
-            elsewhere = home.get(id(record))
-            if elsewhere is None:
-                own.append(record)
-            elif elsewhere not in uses:
+        for param in [*_module_params(sub), *external_parameters(sub)]:
+            found = registry.get(param)
+            elsewhere = None if found is None else home.get(id(found))
+            if elsewhere is not None and elsewhere.module is not sub and elsewhere not in uses:
                 uses.append(elsewhere)
-        if not own and not uses:
+        if not uses:
             continue
-        unit = GatherUnit(len(units), name, sub, own, uses)
-        for record in own:
-            home[id(record)] = unit
-            record.unit = unit
-        units.append(unit)
+        user = unit_of_module.get(id(sub))
+        if user is None:
+            user = GatherUnit(len(units), name, sub, [])
+            units.append(user)
+        user.uses = uses
     return units

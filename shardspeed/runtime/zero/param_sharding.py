@@ -77,6 +77,10 @@ def _distinct(units: Iterable[GatherUnit | None]) -> list[GatherUnit]:
     return seen
 
 
+#: phases in the agreement check
+_FORWARD, _BACKWARD = 0, 1
+
+
 class ParamSharding:
     """The gather units of ``module`` and the hooks that gather and release them."""
 
@@ -127,12 +131,7 @@ class ParamSharding:
                 done.release()
         forget_constructed_units(self.module)
         for unit in self.units:
-            self._handles.append(
-                unit.module.register_forward_pre_hook(partial(self._pre_forward, unit))
-            )
-            self._handles.append(
-                unit.module.register_forward_hook(partial(self._post_forward, unit))
-            )
+            self._hook(unit)
 
     def adopt_buckets(
         self, buckets: Sequence[GradBucket], comm_group: CommGroup
@@ -168,6 +167,26 @@ class ParamSharding:
         record = record_of(param)
         assert record is not None and record.unit is not None, "a parameter in no gather unit"
         return record.unit
+
+    def use(self, module: nn.Module, param: nn.Parameter) -> None:
+        """From now on ``module``'s forward also gathers ``param``'s unit."""
+        record = record_of(param)
+        home = None if record is None else record.unit
+        if home is None or home not in self.units or home.module is module:
+            return
+        unit = next((u for u in self.units if u.module is module), None)
+        if unit is None:
+            unit = GatherUnit(len(self.units), type(module).__name__, module, [])
+            self.units.append(unit)
+            self._hook(unit)
+        if home not in unit.uses:
+            unit.uses.append(home)
+
+    def _hook(self, unit: GatherUnit) -> None:
+        self._handles.append(
+            unit.module.register_forward_pre_hook(partial(self._pre_forward, unit))
+        )
+        self._handles.append(unit.module.register_forward_hook(partial(self._post_forward, unit)))
 
     def watch_gradients(self, records: Iterable[ParamRecord]) -> None:
         """Release a unit once all its trained parameters got their gradients."""
@@ -205,6 +224,11 @@ class ParamSharding:
         for unit in self.units:
             unit.release()
 
+    def empty_cache(self) -> None:
+        """Release every unit, persistent ones too (they are gathered again when used)."""
+        for unit in self.units:
+            unit.release(force=True)
+
     @contextmanager
     def gathered(self, units: Sequence[GatherUnit] | None = None) -> Iterator[None]:
         """Every unit (or ``units``) gathered inside the block; those that were released
@@ -232,6 +256,7 @@ class ParamSharding:
     # -- hooks ------------------------------------------------------------------------------
     def _pre_forward(self, unit: GatherUnit, module: nn.Module, args: Any) -> None:
         del module, args
+        self._agree(unit, _FORWARD)
         self.fetch(unit)
 
     def _post_forward(self, unit: GatherUnit, module: nn.Module, args: Any, output: Any) -> None:
@@ -249,7 +274,40 @@ class ParamSharding:
 
     def _pre_backward(self, unit: GatherUnit, grad: Any) -> None:
         del grad
+        self._agree(unit, _BACKWARD)
         self.fetch(unit)
+
+    def _agree(self, unit: GatherUnit, phase: int) -> None:
+        """Check that every rank is about to run the same module in the same phase, before
+        its collectives: ranks that take different branches would otherwise gather
+        different parameters and wait for each other forever (one 2-element all-gather)."""
+        if not self.comm.partitioned:
+            return
+        device = next((f.full.device for u in self.units for f in u.flats), torch.device("cpu"))
+        mine = torch.tensor([unit.index, phase], dtype=torch.int64, device=device)
+        everyone = torch.empty(2 * self.comm.world_size, dtype=torch.int64, device=device)
+        comm.all_gather_into_tensor(everyone, mine, group=self.comm.group)
+        rows = [tuple(row) for row in everyone.view(-1, 2).tolist()]
+        if all(row == rows[0] for row in rows):
+            return
+        names = {_FORWARD: "forward", _BACKWARD: "backward"}
+        where = "; ".join(
+            f"rank {rank}: {names[ph]} of {self._describe(index)}"
+            for rank, (index, ph) in enumerate(rows)
+        )
+        raise RuntimeError(
+            "ZeRO stage 3: the ranks are about to run different modules, so they would gather "
+            f"different parameters and wait for each other forever ({where}). Every rank must "
+            "run the same modules in the same order; mark a module whose children run "
+            "differently per rank (a Mixture-of-Experts layer) as a leaf with "
+            "shardspeed.utils.set_z3_leaf_modules or zero_optimization.leaf_module"
+        )
+
+    def _describe(self, index: int) -> str:
+        if 0 <= index < len(self.units):
+            unit = self.units[index]
+            return f"{unit.name or '<root>'} ({type(unit.module).__name__})"
+        return f"unit {index}"
 
     def _on_grad(self, record: ParamRecord, param: torch.Tensor) -> None:
         del param

@@ -3,6 +3,8 @@
 * :class:`ZeroParamStatus` — DeepSpeed's name for a parameter's state (``param.ds_status``);
   shardspeed keeps the state on the parameter's record
   (:class:`~shardspeed.runtime.zero.records.ParamState`) and maps it here.
+* :func:`register_external_parameter` — tell ZeRO-3 that ``module``'s forward uses a parameter
+  it does not own, so the module's forward gathers it too.
 * :class:`GatheredParameters` — gather partitioned parameters for a block of code (to read,
   or, with ``modifier_rank``, to change them: that rank's values reach every rank's shards on
   exit). Parameters that are not partitioned pass through untouched, so the same code runs at
@@ -19,11 +21,19 @@ import torch
 from torch import nn
 
 from shardspeed import comm
-from shardspeed.runtime.zero.gather_units import GatherUnit
+from shardspeed.runtime.zero.gather_units import GatherUnit, external_parameters
 from shardspeed.runtime.zero.records import record_of
 from shardspeed.runtime.zero.zero_parameter import ZeroParameter, ZeroParamStatus, param_status
 
-__all__ = ["GatheredParameters", "ZeroParamStatus", "ZeroParameter", "param_status", "publish"]
+__all__ = [
+    "GatheredParameters",
+    "ZeroParamStatus",
+    "ZeroParameter",
+    "param_status",
+    "publish",
+    "register_external_parameter",
+    "unregister_external_parameter",
+]
 
 
 def _as_list(params: Any) -> list[torch.Tensor]:
@@ -100,3 +110,26 @@ def publish(units: Sequence[GatherUnit], rank: int) -> None:
                 src = comm.get_global_rank(group, rank) if group is not None else rank
                 comm.broadcast(flat.full, src=src, group=group)
             flat.keep_full_values()
+
+
+def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """Gather ``parameter`` (owned by another module) whenever ``module``'s forward runs.
+
+    Call it before ``initialize`` (in the module's ``__init__``, as DeepSpeed users do) or
+    after: a live stage 3 strategy picks it up at once."""
+    if not isinstance(parameter, torch.Tensor):
+        raise TypeError(f"register_external_parameter needs a parameter, got {type(parameter)}")
+    used = external_parameters(module)
+    if not any(p is parameter for p in used):
+        used.append(parameter)
+    record = record_of(parameter)
+    owner = None if record is None else record.owner
+    sharding = getattr(owner, "sharding", None)
+    if sharding is not None:
+        sharding.use(module, parameter)
+
+
+def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """Undo :func:`register_external_parameter` (the next strategy built plans without it)."""
+    used = external_parameters(module)
+    used[:] = [p for p in used if p is not parameter]

@@ -33,6 +33,23 @@ from shardspeed.runtime.zero.shard_group import ShardGroup
 from shardspeed.runtime.zero.sharded_group import ShardedParamsGroup
 from shardspeed.runtime.zero.strategy import StrategyContext
 from shardspeed.utils.logging import log_dist
+from shardspeed.utils.z3_leaf_module import (
+    set_z3_leaf_modules,
+    set_z3_leaf_modules_by_name,
+    set_z3_leaf_modules_by_suffix,
+)
+
+
+def mark_configured_leaves(module: nn.Module, leaf: Any) -> None:
+    """Apply ``zero_optimization.leaf_module`` (classes absent from the model are fine: the
+    defaults name Hugging Face MoE blocks; names and suffixes must match something)."""
+    if leaf is None:
+        return
+    set_z3_leaf_modules(module, list(leaf.classes), raise_if_not_found=False)
+    if leaf.names:
+        set_z3_leaf_modules_by_name(module, list(leaf.names))
+    if leaf.name_suffixes:
+        set_z3_leaf_modules_by_suffix(module, list(leaf.name_suffixes))
 
 
 class ParamPartitionStrategy(PartitionedStrategy):
@@ -43,6 +60,7 @@ class ParamPartitionStrategy(PartitionedStrategy):
 
     def __init__(self, module: nn.Module, ctx: StrategyContext) -> None:
         super().__init__(module, ctx)
+        mark_configured_leaves(module, getattr(ctx.zero_config, "leaf_module", None))
         self.sharding = ParamSharding(
             module,
             self.registry,
@@ -88,11 +106,16 @@ class ParamPartitionStrategy(PartitionedStrategy):
     ) -> dict[str, Any]:
         with self.sharding.gathered():
             state = super().full_state_dict(prefix, keep_vars, exclude_frozen_parameters)
-            # the gathered buffers are released after this block: keep copies
-            return {
-                k: v.detach().clone() if isinstance(v, torch.Tensor) else v
-                for k, v in state.items()
-            }
+            # the gathered buffers are released after this block: keep copies, one per
+            # tensor (tied weights stay one tensor under both names)
+            copies: dict[tuple[int, int, tuple[int, ...]], torch.Tensor] = {}
+            result: dict[str, Any] = {}
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    alias = (value.data_ptr(), int(value.storage_offset()), tuple(value.shape))
+                    value = copies.setdefault(alias, value.detach().clone())
+                result[key] = value
+            return result
 
     def weights_for_save(self, exclude_frozen_parameters: bool = False) -> dict[str, Any] | None:
         if not getattr(self.ctx.zero_config, "gather_16bit_weights_on_model_save", False):
@@ -113,6 +136,9 @@ class ParamPartitionStrategy(PartitionedStrategy):
         with self.sharding.gathered():
             super().load_full_state_dict(state, strict, custom_load_fn)
             self.sharding.keep_full_values()
+
+    def empty_partition_cache(self) -> None:
+        self.sharding.empty_cache()
 
     # -- backward --------------------------------------------------------------------------
     def begin_backward(self, reduce: bool) -> None:

@@ -154,6 +154,9 @@ class ZeroStrategy:
         else:
             self.module.load_state_dict(state, strict=strict)
 
+    def empty_partition_cache(self) -> None:
+        """Free parameters kept gathered between uses (stage 3); nothing to free before it."""
+
     # -- the optimizer ----------------------------------------------------------------------
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Refuse an optimizer this strategy cannot step (before anything is changed)."""

@@ -13,7 +13,10 @@ from torch import nn
 
 from examples.gpt_model import GPT, GPTConfig
 from shardspeed import zero
+from shardspeed.checkpoint.consolidate import get_fp32_state_dict_from_zero_checkpoint
 from shardspeed.runtime.zero.partition_parameters import param_status
+from shardspeed.runtime.zero.utils import is_zero_param
+from shardspeed.utils import safe_get_full_grad, set_z3_leaf_modules, z3_leaf_parameter
 from shardspeed.zero import GatheredParameters, ZeroParamStatus
 from tests.runtime.parity import make_task, rank_rows
 from tests.runtime.zero.ranks import _engine
@@ -191,3 +194,143 @@ def init_trains_like_a_normal_build() -> None:
     for engine in engines:
         engine.destroy()
     assert not any(hasattr(p, "ds_id") for p in partitioned.parameters())
+
+
+class Router(nn.Module):
+    """Sends its input through the branch its rank picks (as an MoE router may)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, h: torch.Tensor, rank: int | None = None) -> torch.Tensor:
+        rank = dist.get_rank() if rank is None else rank
+        return torch.tanh((self.a if rank % 2 == 0 else self.b)(h))
+
+
+class Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.router = Router()
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, rank: int | None = None) -> torch.Tensor:
+        h = self.router(torch.tanh(self.inp(x)), rank)
+        return nn.functional.mse_loss(self.out(h), y)
+
+
+def divergent_branches_fail_fast() -> str:
+    """Ranks running different modules get an error naming them, not a hang."""
+    torch.manual_seed(0)
+    engine = _engine(Branchy(), 3, zero=SHARD_ALL)
+    x, y = torch.randn(2, 8), torch.randn(2, 1)
+    try:
+        engine(x, y)
+    except RuntimeError as error:
+        message = str(error)
+    else:
+        raise AssertionError("divergent branches ran without an error")
+    engine.destroy()
+    return message
+
+
+def leaf_module_makes_branches_work(via_config: bool) -> None:
+    """The router marked as a leaf (by class name, or by module name in the config): gathered
+    whole, each rank runs its branch, and the reduced gradients equal the mean of the ranks'
+    single-process gradients."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    model = Branchy()
+    reference = copy.deepcopy(model)
+    zero_config: dict[str, Any] = dict(SHARD_ALL)
+    if via_config:
+        zero_config["leaf_module"] = {"names": ["router"]}
+    else:
+        assert set_z3_leaf_modules(model, ["Router"]) == [model.router]
+    engine = _engine(model, 3, zero=zero_config)
+    assert all(z3_leaf_parameter(p) for p in model.router.parameters())
+    gen = torch.Generator().manual_seed(1)
+    xs, ys = torch.randn(world, 2, 8, generator=gen), torch.randn(world, 2, 1, generator=gen)
+    engine.backward(engine(xs[rank], ys[rank]))
+    local = []
+    for r in range(world):
+        reference.zero_grad()
+        reference(xs[r], ys[r], rank=r).backward()
+        local.append(
+            {
+                n: torch.zeros_like(p) if p.grad is None else p.grad.clone()
+                for n, p in reference.named_parameters()
+            }
+        )
+    for name, param in model.named_parameters():
+        expected = sum(g[name] for g in local) / world
+        torch.testing.assert_close(safe_get_full_grad(param), expected, rtol=1e-5, atol=1e-7)
+    engine.step()
+    engine.destroy()
+
+
+class SharedHead(nn.Module):
+    """``head`` applies ``embed``'s weight in its own forward without registering it."""
+
+    def __init__(self, embed: nn.Embedding) -> None:
+        super().__init__()
+        self.embed = [embed]  # not a submodule: only the weight is used here
+        zero.register_external_parameter(self, embed.weight)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(h, self.embed[0].weight)
+
+
+class ExternalUser(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.mix = nn.Linear(8, 8)
+        self.head = SharedHead(self.embed)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.head(torch.tanh(self.mix(self.embed(tokens))))
+        return nn.functional.cross_entropy(logits.view(-1, 16), targets.view(-1))
+
+
+def external_parameter_is_gathered(folder: str) -> None:
+    """A weight used by another module's forward (registered as external) trains as in a
+    single process; is_zero_param, empty_partition_cache, the 16-bit save (refused without
+    stage3_gather_16bit_weights_on_model_save) and zero_to_fp32 at stage 3 give the gathered
+    weights."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    model = ExternalUser()
+    reference = copy.deepcopy(model)
+    engine = _engine(model, 3, zero=SHARD_ALL)
+    assert all(is_zero_param(p) for p in model.parameters())
+    gen = torch.Generator().manual_seed(2)
+    tokens = torch.randint(16, (world, 2, 4), generator=gen)
+    engine.backward(engine(tokens[rank], tokens[rank]))
+    grads = torch.autograd.grad(
+        sum(reference(tokens[r], tokens[r]) for r in range(world)) / world,
+        list(reference.parameters()),
+    )
+    for (name, param), grad in zip(model.named_parameters(), grads, strict=True):
+        torch.testing.assert_close(safe_get_full_grad(param), grad, rtol=1e-5, atol=1e-7, msg=name)
+    engine.step()
+    engine.empty_partition_cache()
+    assert all(_released(p) for p in model.parameters())
+    assert not engine.save_16bit_model(folder)  # stage3_gather_16bit_weights_on_model_save off
+    engine.config.zero_optimization.gather_16bit_weights_on_model_save = True
+    assert engine.save_16bit_model(folder, "weights.bin")
+    engine.save_checkpoint(folder, tag="t")
+    with zero.GatheredParameters(list(model.parameters())):
+        gathered = {n: p.detach().clone() for n, p in model.named_parameters()}
+    engine.destroy()
+    assert not is_zero_param(next(model.parameters()))
+    if rank == 0:
+        saved = torch.load(Path(folder) / "weights.bin", weights_only=True)
+        consolidated = get_fp32_state_dict_from_zero_checkpoint(folder, tag="t")
+        for name, value in gathered.items():
+            assert torch.equal(saved[name], value), name
+            assert torch.equal(consolidated[name], value), name
+    dist.barrier()
+    assert not is_zero_param(next(model.parameters()))

@@ -4,9 +4,18 @@ evaluation, the full state dict and ``GatheredParameters``."""
 from __future__ import annotations
 
 import pytest
+from torch import nn
 
 from shardspeed.runtime.zero.config import DeepSpeedZeroConfig
 from shardspeed.runtime.zero.registry import check_zero_config
+from shardspeed.utils import (
+    get_z3_leaf_modules,
+    set_z3_leaf_modules,
+    set_z3_leaf_modules_by_name,
+    set_z3_leaf_modules_by_suffix,
+    unset_z3_leaf_modules,
+    z3_leaf_module,
+)
 from tests.runtime.zero import stage3_ranks
 
 
@@ -48,3 +57,38 @@ def test_init_builds_the_model_partitioned(dist_pool, world):
 
 def test_init_model_trains_like_a_normal_build(dist_pool):
     dist_pool(2).run(stage3_ranks.init_trains_like_a_normal_build)
+
+
+@pytest.mark.timeout(120)
+def test_divergent_branches_fail_fast_naming_modules(dist_pool):
+    messages = dist_pool(2).run(stage3_ranks.divergent_branches_fail_fast)
+    for message in messages:
+        assert "rank 0: forward of router.a" in message, message
+        assert "rank 1: forward of router.b" in message, message
+        assert "set_z3_leaf_modules" in message
+
+
+@pytest.mark.parametrize("via_config", [False, True], ids=["by_class", "config_names"])
+def test_leaf_module_gathers_its_subtree(dist_pool, via_config):
+    dist_pool(2).run(stage3_ranks.leaf_module_makes_branches_work, via_config)
+
+
+def test_external_parameter_saves_and_is_zero_param(dist_pool, tmp_path):
+    dist_pool(2).run(stage3_ranks.external_parameter_is_gathered, str(tmp_path))
+
+
+def test_leaf_marks_by_class_name_suffix_and_unset():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.ReLU(), nn.Linear(2, 2)))
+    assert set_z3_leaf_modules(model, [nn.ReLU]) == [model[1][0]]
+    assert set_z3_leaf_modules(model, ["torch.nn.modules.linear.Linear"]) == [
+        model[0],
+        model[1][1],
+    ]
+    assert get_z3_leaf_modules(model) == [model[0], model[1][0], model[1][1]]
+    assert unset_z3_leaf_modules(model, ["Linear"]) == [model[0], model[1][1]]
+    assert set_z3_leaf_modules_by_suffix(model, ["1.1"]) == [model[1][1]]
+    assert set_z3_leaf_modules_by_name(model, ["1"]) == [model[1]]
+    assert z3_leaf_module(model[1]) and not z3_leaf_module(model[0])
+    with pytest.raises(ValueError, match="no module of the model matches"):
+        set_z3_leaf_modules_by_name(model, ["missing"])
+    assert set_z3_leaf_modules(model, ["Missing"], raise_if_not_found=False) == []
