@@ -177,6 +177,22 @@ def _rank_main(
             engine.backward(loss)
             engine.step()
 
+    queue.put(time_steps(step, batches, device, args.warmup, rank, params, base_rss))
+    dist.destroy_process_group()
+
+
+def time_steps(
+    step: Any,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    device: torch.device,
+    warmup: int,
+    rank: int,
+    params: int,
+    base_rss: float,
+) -> dict[str, Any]:
+    """Run ``step`` on every batch (all ranks start each step together) and report this rank's
+    median step time after ``warmup`` steps and its peak memory."""
+    cuda = device.type == "cuda"
     times = []
     for i, (tokens, targets) in enumerate(batches):
         tokens, targets = tokens.to(device), targets.to(device)
@@ -187,9 +203,9 @@ def _rank_main(
         step(tokens, targets)
         if cuda:
             torch.cuda.synchronize()
-        if i >= args.warmup:
+        if i >= warmup:
             times.append(time.perf_counter() - start)
-    result = {
+    return {
         "rank": rank,
         "params": params,
         "step_s": statistics.median(times),
@@ -197,8 +213,6 @@ def _rank_main(
         "rss_model_built_mb": base_rss,
         "peak_device_mb": torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
     }
-    queue.put(result)
-    dist.destroy_process_group()
 
 
 def _run_mode(mode: str, args: argparse.Namespace, port: int) -> list[dict[str, Any]]:

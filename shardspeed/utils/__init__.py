@@ -47,7 +47,7 @@ _LEAF_MODULE_NAMES = frozenset(
 def __getattr__(name: str) -> Any:
     for names, module in (
         (_TENSOR_FRAGMENT_NAMES, "shardspeed.utils.tensor_fragment"),
-        (_LEAF_MODULE_NAMES, "shardspeed.utils.z3_leaf_module"),
+        (_LEAF_MODULE_NAMES, "shardspeed.utils.leaf_modules"),
     ):
         if name in names:
             value = getattr(importlib.import_module(module), name)

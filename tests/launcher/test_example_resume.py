@@ -1,7 +1,7 @@
 """The README's example, launched as a user would: train on 2 ranks and save, resume on 1 rank.
 
-The checkpoint re-partitions from 2 ranks to 1 (and from bf16 ZeRO 2 to fp32 ZeRO 1 in the second
-case), and training picks up at the saved step with the loss where the first job left it.
+The checkpoint re-partitions from 2 ranks to 1 (and from bf16 ZeRO 2, or ZeRO 3, to fp32 ZeRO 0 in
+the other cases), and training picks up at the saved step with the loss where the first job left it.
 """
 
 from __future__ import annotations
@@ -39,8 +39,12 @@ def _train(ranks: int, config: str, save_dir: Path, *extra: str) -> str:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     "first,second",
-    [("gpt_config.json", "gpt_config.json"), ("gpt_zero2_bf16_config.json", "gpt_config.json")],
-    ids=["same-config", "zero2-bf16-to-config"],
+    [
+        ("gpt_config.json", "gpt_config.json"),
+        ("gpt_zero2_bf16_config.json", "gpt_config.json"),
+        ("gpt_zero3_config.json", "gpt_config.json"),
+    ],
+    ids=["same-config", "zero2-bf16-to-config", "zero3-to-config"],
 )
 def test_save_on_two_ranks_resume_on_one(tmp_path: Path, first: str, second: str) -> None:
     out = _train(2, first, tmp_path)

@@ -23,7 +23,7 @@ from torch import nn
 
 from shardspeed.runtime.zero.flat_shard import FlatShard
 from shardspeed.runtime.zero.records import ParamRecord, ParamRegistry, ParamState
-from shardspeed.utils.z3_leaf_module import z3_leaf_module as is_leaf_module
+from shardspeed.utils.leaf_modules import z3_leaf_module as is_leaf_module
 
 #: parameters a module's forward uses that it does not register (register_external_parameter)
 _EXTERNAL: weakref.WeakKeyDictionary[nn.Module, list[nn.Parameter]] = weakref.WeakKeyDictionary()

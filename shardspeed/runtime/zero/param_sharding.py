@@ -53,6 +53,9 @@ class ShardingOptions:
     param_persistence_threshold: int = 100_000
     #: ``stage3_model_persistence_threshold``: at most this many persistent elements in all
     model_persistence_threshold: int = 2**63 - 1
+    #: ``stage3_max_live_parameters``: gathered (non-persistent) elements allowed at once,
+    #: beyond the one unit being gathered
+    max_live_parameters: int = 1_000_000_000
 
     @classmethod
     def from_config(cls, zero: Any) -> ShardingOptions:
@@ -61,6 +64,7 @@ class ShardingOptions:
         return cls(
             param_persistence_threshold=int(zero.param_persistence_threshold),
             model_persistence_threshold=int(zero.model_persistence_threshold),
+            max_live_parameters=int(zero.max_live_parameters),
         )
 
 
@@ -93,6 +97,8 @@ class ParamSharding:
         self.units = plan_units(module, registry)
         self._in_backward = False
         self._handles: list[Any] = []
+        #: the most non-persistent parameter elements gathered at once by the hooks
+        self.peak_live = 0
 
     # -- setting up -------------------------------------------------------------------------
     @torch.no_grad()
@@ -212,8 +218,30 @@ class ParamSharding:
             unit.finish_gather()
 
     def fetch(self, unit: GatherUnit) -> None:
-        """Gather ``unit`` and the units it uses."""
-        self._fetch([unit, *unit.uses])
+        """Gather ``unit`` and the units it uses, within ``stage3_max_live_parameters``."""
+        wanted = [u for u in (unit, *unit.uses) if not u.gathered]
+        live = self.live_numel()
+        needed = sum(u.numel for u in wanted if not u.persistent)
+        if live and live + needed > self.options.max_live_parameters:
+            held = sorted(
+                (u for u in self.units if u.gathered and not u.persistent),
+                key=lambda u: -u.numel,
+            )[:4]
+            raise RuntimeError(
+                f"ZeRO stage 3: gathering {self._describe(unit.index)} ({needed} elements) "
+                f"would hold {live + needed} parameter elements at once, over "
+                f"zero_optimization.stage3_max_live_parameters={self.options.max_live_parameters} "
+                f"({live} already gathered, largest: "
+                + ", ".join(f"{self._describe(u.index)} {u.numel}" for u in held)
+                + "). Raise stage3_max_live_parameters, or make the nesting shallower (a "
+                "module's own parameters stay gathered while its children run)"
+            )
+        self._fetch(wanted)
+        self.peak_live = max(self.peak_live, live + needed)
+
+    def live_numel(self) -> int:
+        """Elements of the non-persistent units gathered now."""
+        return sum(u.numel for u in self.units if u.gathered and not u.persistent)
 
     def release(self, unit: GatherUnit) -> None:
         unit.release()
@@ -255,9 +283,18 @@ class ParamSharding:
 
     # -- hooks ------------------------------------------------------------------------------
     def _pre_forward(self, unit: GatherUnit, module: nn.Module, args: Any) -> None:
-        del module, args
+        del module
         self._agree(unit, _FORWARD)
         self.fetch(unit)
+        if unit.records and not unit.trained() and torch.is_grad_enabled():
+            # no gradient of its own tells when its backward is over: the inputs' do
+            inputs = [
+                t for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.requires_grad
+            ]
+            if inputs:
+                torch.autograd.graph.register_multi_grad_hook(
+                    inputs, partial(self._after_backward, unit), mode="all"
+                )
 
     def _post_forward(self, unit: GatherUnit, module: nn.Module, args: Any, output: Any) -> None:
         del module, args
@@ -276,6 +313,11 @@ class ParamSharding:
         del grad
         self._agree(unit, _BACKWARD)
         self.fetch(unit)
+
+    def _after_backward(self, unit: GatherUnit, grads: Any) -> None:
+        del grads
+        if self._in_backward:
+            unit.release()
 
     def _agree(self, unit: GatherUnit, phase: int) -> None:
         """Check that every rank is about to run the same module in the same phase, before

@@ -32,12 +32,12 @@ from shardspeed.runtime.zero.records import ParamRecord
 from shardspeed.runtime.zero.shard_group import ShardGroup
 from shardspeed.runtime.zero.sharded_group import ShardedParamsGroup
 from shardspeed.runtime.zero.strategy import StrategyContext
-from shardspeed.utils.logging import log_dist
-from shardspeed.utils.z3_leaf_module import (
+from shardspeed.utils.leaf_modules import (
     set_z3_leaf_modules,
     set_z3_leaf_modules_by_name,
     set_z3_leaf_modules_by_suffix,
 )
+from shardspeed.utils.logging import log_dist
 
 
 def mark_configured_leaves(module: nn.Module, leaf: Any) -> None:

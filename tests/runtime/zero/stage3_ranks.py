@@ -334,3 +334,43 @@ def external_parameter_is_gathered(folder: str) -> None:
             assert torch.equal(consolidated[name], value), name
     dist.barrier()
     assert not is_zero_param(next(model.parameters()))
+
+
+class ScaledStack(nn.Module):
+    """A root with a parameter of its own (gathered while its children run), a frozen middle
+    layer and trained layers around it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(1000))
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(5))
+        self.layers[2].requires_grad_(False)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = x * self.scale[:16]
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return nn.functional.mse_loss(h.sum(-1, keepdim=True), y)
+
+
+def live_parameters_budget(max_live: int) -> dict[str, float]:
+    """Train two steps under ``stage3_max_live_parameters=max_live``; report the peak gathered
+    elements, or the error."""
+    torch.manual_seed(0)
+    model = ScaledStack()
+    params = [p for p in model.parameters() if p.requires_grad]
+    zero_config = {**SHARD_ALL, "stage3_max_live_parameters": max_live}
+    engine = _engine(model, 3, zero=zero_config, model_parameters=params)
+    x, y = torch.randn(2, 16), torch.randn(2, 1)
+    try:
+        for _ in range(2):
+            engine.backward(engine(x, y))
+            engine.step()
+    except RuntimeError as error:
+        engine.destroy()
+        assert "stage3_max_live_parameters" in str(error), error
+        return {"error": 1.0}
+    peak = engine.strategy.sharding.peak_live
+    largest = max(u.numel for u in engine.strategy.sharding.units)
+    engine.destroy()
+    return {"peak": float(peak), "largest": float(largest)}

@@ -52,6 +52,7 @@ def test_checkpoint_resume_continues_identically(dist_pool, stage, tmp_path):
     dist_pool(2).run(ranks.checkpoint_resume, stage, str(tmp_path))
     names = sorted(p.name for p in (tmp_path / "mid").iterdir())
     assert names == [
+        "manifest.json",
         "mp_rank_00_model_states.pt",
         "zero_pp_rank_0_mp_rank_00_optim_states.pt",
         "zero_pp_rank_1_mp_rank_00_optim_states.pt",

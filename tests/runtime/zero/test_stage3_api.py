@@ -92,3 +92,13 @@ def test_leaf_marks_by_class_name_suffix_and_unset():
     with pytest.raises(ValueError, match="no module of the model matches"):
         set_z3_leaf_modules_by_name(model, ["missing"])
     assert set_z3_leaf_modules(model, ["Missing"], raise_if_not_found=False) == []
+
+
+def test_live_parameters_stay_within_the_budget(dist_pool):
+    """The root's 1000 elements stay gathered while a 272-element layer runs: 1272 at once.
+    A frozen layer is released after its backward, not held to the end of it."""
+    pool = dist_pool(2)
+    for result in pool.run(stage3_ranks.live_parameters_budget, 1300):
+        assert result["peak"] <= 1300, result
+    for result in pool.run(stage3_ranks.live_parameters_budget, 1100):
+        assert result == {"error": 1.0}

@@ -1,5 +1,8 @@
 """ZeRO-3 leaf modules (DeepSpeed's ``deepspeed.utils.set_z3_leaf_modules`` and friends).
 
+(DeepSpeed keeps them in ``deepspeed/utils/z3_leaf_module.py``; here the file has another name
+so that ``shardspeed.utils.z3_leaf_module`` stays the function, whatever was imported first.)
+
 A leaf module's whole subtree is gathered as one unit and nothing beneath it gets hooks: the
 fix where ranks run different submodules in one forward (a Mixture-of-Experts router sending
 tokens to different experts), which would otherwise gather different parameters on different
@@ -116,13 +119,8 @@ def set_z3_leaf_modules_by_name(
 ) -> list[nn.Module]:
     """Mark the modules whose ``named_modules()`` name is exactly one of ``module_names``."""
     wanted = set(module_names)
-    return _mark(
-        model,
-        lambda n, _: n in wanted,
-        True,
-        f"module_names={list(module_names)}",
-        raise_if_not_found,
-    )
+    what = f"module_names={list(module_names)}"
+    return _mark(model, lambda n, _: n in wanted, True, what, raise_if_not_found)
 
 
 def set_z3_leaf_modules_by_suffix(
@@ -130,10 +128,7 @@ def set_z3_leaf_modules_by_suffix(
 ) -> list[nn.Module]:
     """Mark the modules whose ``named_modules()`` name ends with one of the suffixes."""
     suffixes = tuple(module_name_suffixes)
+    what = f"module_name_suffixes={list(module_name_suffixes)}"
     return _mark(
-        model,
-        lambda n, _: bool(n) and n.endswith(suffixes),
-        True,
-        f"module_name_suffixes={list(module_name_suffixes)}",
-        raise_if_not_found,
+        model, lambda n, _: bool(n) and n.endswith(suffixes), True, what, raise_if_not_found
     )
