@@ -4,9 +4,9 @@ A parameter's pieces are found through the strategy that trains it
 (:func:`~shardspeed.runtime.zero.strategy.strategy_of` and
 :meth:`~shardspeed.runtime.zero.strategy.ZeroStrategy.param_fragment`); nothing is stored on the
 parameter. "Full" functions are collectives over the data-parallel group when the state is
-partitioned (stages 1 and 2): every rank must call them, in the same order. "Local" functions
+partitioned (stages 1-3): every rank must call them, in the same order. "Local" functions
 act on this rank's piece only: the whole parameter for stage 0, a 1-D slice of the flattened
-parameter for stages 1 and 2 (possibly empty).
+parameter for stages 1-3 (possibly empty).
 
 Windows of validity follow DeepSpeed: gradients exist after ``backward`` (at the accumulation
 boundary) and before ``step``; master weights and optimizer state at any time after
@@ -113,7 +113,21 @@ def safe_set_full_fp32_param(param: nn.Parameter, value: Tensor) -> None:
     if fragment is None:
         return
     fragment.master.copy_(value.reshape(-1)[fragment.param_slice])
-    param.data.copy_(value.view(param.shape))
+    _write_model_weight(param, value, fragment)
+
+
+def _write_model_weight(param: nn.Parameter, value: Tensor, fragment: ParamFragment) -> None:
+    """Put ``value`` in the model's own copy too, so forward sees it before the next step: this
+    rank's shard piece of a ZeRO-3 parameter, and the whole tensor wherever it is held (always
+    before stage 3; at stage 3 while gathered; writing a released one would touch freed
+    memory)."""
+    from shardspeed.runtime.zero.utils import is_zero_param
+
+    if is_zero_param(param):
+        piece = param.ds_tensor  # type: ignore[attr-defined]  # a ZeroParameter
+        piece.copy_(value.reshape(-1)[fragment.param_slice].to(piece.dtype))
+    if param.untyped_storage().nbytes() > 0:
+        param.data.copy_(value.view(param.shape))
 
 
 @torch.no_grad()

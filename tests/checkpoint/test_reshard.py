@@ -244,9 +244,14 @@ def test_node_local_storage_and_legacy_format(dist_pool, tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_universal_checkpoint_round_trip(dist_pool, tmp_path):
+@pytest.mark.parametrize(
+    ("saved_stage", "loads"),
+    [(2, [(4, 1, 5000), (2, 0, 3000)]), (3, [(4, 3, 3000)])],
+    ids=["stage2-to-1-and-0", "stage3-to-3"],
+)
+def test_universal_checkpoint_round_trip(dist_pool, tmp_path, saved_stage, loads):
     """ds_to_universal writes each parameter whole; load_universal resumes from it elsewhere."""
-    dist_pool(2).run(save_and_continue, str(tmp_path), 2, 3000)
+    dist_pool(2).run(save_and_continue, str(tmp_path), saved_stage, 3000)
     out = convert(tmp_path / "mid", tmp_path / "mid_universal")
     assert (tmp_path / "latest_universal").read_text() == "mid_universal"
     ref = torch.load(tmp_path / "ref.pt", weights_only=False)["state"]
@@ -255,8 +260,8 @@ def test_universal_checkpoint_round_trip(dist_pool, tmp_path):
         exp_avg = torch.load(out / "zero" / name / "exp_avg.pt")["param"]
         assert torch.equal(fp32, ref[name]) and torch.equal(exp_avg, ref[f"{name}:exp_avg"])
     assert float(torch.load(out / "zero" / "wte.weight" / "step.pt")["param"]) == 3
-    dist_pool(4).run(load_and_continue, str(tmp_path), 1, 5000, "fp32", False, True)
-    dist_pool(2).run(load_and_continue, str(tmp_path), 0, 3000, "fp32", False, True)
+    for world, stage, bucket in loads:
+        dist_pool(world).run(load_and_continue, str(tmp_path), stage, bucket, "fp32", False, True)
 
 
 class _Collect(logging.Handler):

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 import shardspeed
 from shardspeed import comm
+from shardspeed.zero import GatheredParameters
 from tests.runtime.parity import MLP, adamw_config
 
 REDUCE_OPS = ("all_reduce", "reduce_scatter_tensor")
@@ -24,7 +25,8 @@ def two_backwards_per_step(stage: int) -> dict[str, object]:
     """Train 3 steps with two losses per step, reducing per backward and coalesced."""
     torch.manual_seed(0)
     model = MLP(width=16)
-    config = adamw_config(4, 1, 1.0, zero_optimization={"stage": stage, "reduce_bucket_size": 200})
+    zero = {"stage": stage, "reduce_bucket_size": 200, "stage3_param_persistence_threshold": 0}
+    config = adamw_config(4, 1, 1.0, zero_optimization=zero)
     per_backward, *_ = shardspeed.initialize(model=copy.deepcopy(model), config=config)
     coalesced, *_ = shardspeed.initialize(model=copy.deepcopy(model), config=config)
     gen = torch.Generator().manual_seed(dist.get_rank())
@@ -43,12 +45,14 @@ def two_backwards_per_step(stage: int) -> dict[str, object]:
             assert _reductions() == 0  # nothing reduced inside the block
         counts["coalesced"] += _reductions()
         coalesced.step()
-    max_diff = max(
-        (p - q).abs().max().item()
-        for p, q in zip(
-            per_backward.module.parameters(), coalesced.module.parameters(), strict=True
+    params = [*per_backward.module.parameters(), *coalesced.module.parameters()]
+    with GatheredParameters(params):  # stage 3 holds shards
+        max_diff = max(
+            (p - q).abs().max().item()
+            for p, q in zip(
+                per_backward.module.parameters(), coalesced.module.parameters(), strict=True
+            )
         )
-    )
     with pytest.raises(RuntimeError, match="after it"), coalesced.coalesce_grad_reduction():
         coalesced.step()
     with pytest.raises(RuntimeError, match="nested"), coalesced.coalesce_grad_reduction():
@@ -63,7 +67,7 @@ def two_backwards_per_step(stage: int) -> dict[str, object]:
     return {"max_diff": max_diff, **counts}
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_coalesced_reduction_matches_per_backward_reduction(dist_pool, stage):
     result = dist_pool(2).run(two_backwards_per_step, stage)[0]
     assert result["max_diff"] < 1e-6

@@ -251,7 +251,7 @@ def accessors(stage: int) -> None:
     torch.manual_seed(0)
     model = MLP(width=8)
     reference = copy.deepcopy(model)
-    engine = _engine(model, stage, zero={"reduce_bucket_size": 50})
+    engine = _engine(model, stage, zero={"reduce_bucket_size": 50, **SHARD_ALL})
     params = list(model.parameters())
     rank = dist.get_rank()
     for p, q in zip(params, reference.parameters(), strict=True):
@@ -277,7 +277,8 @@ def accessors(stage: int) -> None:
     value = torch.arange(params[1].numel(), dtype=torch.float32).view_as(params[1])
     safe_set_full_fp32_param(params[1], value)
     assert torch.equal(safe_get_full_fp32_param(params[1]), value)
-    assert torch.equal(params[1].detach(), value)
+    with GatheredParameters(params[1]):  # stage 3 holds shards
+        assert torch.equal(params[1].detach(), value)
     local_master = safe_get_local_fp32_param(params[1])
     assert local_master is not None and local_master.numel() <= value.numel()
     safe_set_full_optimizer_state(params[1], value * 2, "exp_avg")

@@ -63,3 +63,8 @@ def test_bus_volume_per_step(dist_pool, world, gas):
     for result in dist_pool(world).run(ranks.comm_bus_bytes_per_step, 3, gas):
         expected = (2 * gas + 1) * result["params"] * (world - 1) / world * 4  # fp32
         assert result["bus_bytes"] == pytest.approx(expected, rel=0.05)
+
+
+def test_safe_accessors(dist_pool):
+    """safe_get/set_* read and write stage 3's partitioned parameters, gradients and state."""
+    dist_pool(2).run(ranks.accessors, 3)
