@@ -11,7 +11,8 @@
 - :mod:`.layout`: the typed, versioned layout of saved optimizer state (which parameter sits
   where in which flat bucket);
 - :mod:`.sources`: every saved form of optimizer state (shardspeed's stages 0-2, universal
-  folders, DeepSpeed's ZeRO 1/2) as per-rank shards;
+  folders, DeepSpeed's ZeRO 1/2/3) as per-rank shards; :mod:`.deepspeed_zero3`: DeepSpeed's
+  ZeRO-3 tags (each parameter partitioned on its own, the weights in the optimizer shards);
 - :mod:`.reshard`: re-partitioning those shards for another data-parallel size, bucket layout
   or stage;
 - :mod:`.consolidate`: one fp32 ``state_dict`` from a checkpoint (``zero_to_fp32``, also at

@@ -36,19 +36,18 @@ from shardspeed.checkpoint.files import (
 )
 from shardspeed.checkpoint.layout import param_bucket
 from shardspeed.checkpoint.manifest import FileRecord, check_tag
-from shardspeed.checkpoint.reader import load_file
 from shardspeed.checkpoint.reshard import Resharder, replicated_from_shard
-from shardspeed.checkpoint.sources import saved_shards
+from shardspeed.checkpoint.sources import read_model_states, saved_shards
 
 
 def convert(
     input_folder: str | Path, output_folder: str | Path, allow_unsafe_pickle: bool = False
 ) -> Path:
     """Write the universal form of the checkpoint tag folder ``input_folder`` (shardspeed's,
-    of any stage, or DeepSpeed's ZeRO 1/2)."""
+    of any stage, or DeepSpeed's ZeRO 1/2/3)."""
     source, out = Path(input_folder), Path(output_folder)
     check_tag(source)
-    model = load_file(source / MODEL_STATES, allow_unsafe_pickle=allow_unsafe_pickle)
+    model = read_model_states(source, allow_unsafe_pickle)
     shards = saved_shards(source, model, allow_unsafe_pickle)
     if shards is None:
         raise ValueError(f"{source} holds no optimizer state to convert")

@@ -19,6 +19,9 @@ from pathlib import Path
 MODEL_STATES = "mp_rank_00_model_states.pt"
 #: one data-parallel rank's optimizer shard (stages 1/2), by rank
 OPTIM_SHARD = "zero_pp_rank_{}_mp_rank_00_optim_states.pt"
+#: DeepSpeed's ZeRO-3 writes a model-states file per data-parallel rank, by rank, and no
+#: :data:`MODEL_STATES` (their module tensors are empty: the weights are in the optimizer shards)
+ZERO3_MODEL_STATES = "zero_pp_rank_{}_mp_rank_00_model_states.pt"
 #: the file beside the tags naming the newest one
 LATEST_FILE = "latest"
 #: the file beside a checkpoint naming the newest universal tag
@@ -35,6 +38,21 @@ def shard_paths(folder: Path, count: int) -> list[Path]:
     plain = [folder / OPTIM_SHARD.format(rank) for rank in range(count)]
     bf16 = [p.with_name("bf16_" + p.name) for p in plain]
     return bf16 if not plain[0].is_file() and bf16[0].is_file() else plain
+
+
+def model_states_path(folder: Path) -> Path:
+    """The model-states file of tag ``folder``: :data:`MODEL_STATES`, or where only DeepSpeed's
+    ZeRO-3 wrote one, its rank 0's (:data:`ZERO3_MODEL_STATES`); :data:`MODEL_STATES` when
+    neither exists (for the caller's message)."""
+    path = folder / MODEL_STATES
+    zero3 = folder / ZERO3_MODEL_STATES.format(0)
+    return zero3 if not path.is_file() and zero3.is_file() else path
+
+
+def is_deepspeed_zero3(folder: Path) -> bool:
+    """Whether tag ``folder`` was written by DeepSpeed's ZeRO-3 (its model-states files are
+    :data:`ZERO3_MODEL_STATES`, one per rank; every other writer's is :data:`MODEL_STATES`)."""
+    return model_states_path(folder).name != MODEL_STATES
 
 
 def staging_folder(save_dir: str | os.PathLike[str], tag: str) -> Path:
@@ -66,7 +84,7 @@ def existing_tag(save_dir: str | os.PathLike[str], tag: str) -> Path:
 
 def tag_folder(checkpoint_dir: str | os.PathLike[str], tag: str | None) -> Path:
     """The folder of checkpoint ``tag`` in ``checkpoint_dir`` (``tag=None``: the one ``latest``
-    names), which must hold a model-states file."""
+    names), which must hold a model-states file (:func:`model_states_path`)."""
     root = Path(checkpoint_dir)
     if tag is None:
         latest = root / LATEST_FILE
@@ -77,7 +95,7 @@ def tag_folder(checkpoint_dir: str | os.PathLike[str], tag: str | None) -> Path:
             )
         tag = latest.read_text().strip()
     folder = existing_tag(root, str(tag))
-    if not (folder / MODEL_STATES).is_file():
+    if not model_states_path(folder).is_file():
         raise FileNotFoundError(f"{folder / MODEL_STATES} does not exist: not a checkpoint tag")
     return folder
 

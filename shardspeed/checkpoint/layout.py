@@ -2,8 +2,9 @@
 
 Every rank of a stage 1/2 job saves its chunk of each bucket together with the bucket layout
 (:class:`BucketLayout`); stage 0 saves its state whole with a layout of one bucket per parameter
-(:func:`replicated_layout`), and DeepSpeed's ZeRO 1/2 files read as one bucket per parameter
-group (:func:`deepspeed_layout`). The layout lives in a shard's strategy state
+(:func:`replicated_layout`), DeepSpeed's ZeRO 1/2 files read as one bucket per parameter
+group (:func:`deepspeed_layout`) and its ZeRO-3 files as one bucket per parameter
+(:func:`deepspeed_zero3_layout`). The layout lives in a shard's strategy state
 (:class:`StrategyState`), as plain Python containers, so checkpoints stay readable without
 shardspeed. Its structure is versioned (:data:`LAYOUT_VERSION`): readers refuse a version newer
 than they know (:func:`check_layout_version`). Needs only torch: this module is part of the
@@ -129,4 +130,21 @@ def deepspeed_layout(
             offset += numel
         size = partitions[group] * count
         layout.append({"group": group, "size": size, "state_index": group, "params": params})
+    return layout
+
+
+def deepspeed_zero3_layout(
+    param_shapes: list[dict[str, Any]], group_of: list[int], count: int
+) -> list[BucketLayout]:
+    """The bucket layout of a DeepSpeed ZeRO-3 checkpoint: DeepSpeed partitions each parameter
+    on its own (padded at the end to a multiple of ``count``), so each is a bucket of its own,
+    in ``param_shapes`` order (one dict per optimizer sub-group; sub-group ``s`` belongs to
+    parameter group ``group_of[s]``)."""
+    layout: list[BucketLayout] = []
+    for sub_group, shapes in enumerate(param_shapes):
+        for name, shape in shapes.items():
+            numel = math.prod(shape)
+            bucket = param_bucket(group_of[sub_group], len(layout), name, numel)
+            bucket["size"] = -(-numel // count) * count
+            layout.append(bucket)
     return layout

@@ -10,7 +10,10 @@ state in one of four forms, and :func:`saved_shards` finds which and hands back 
 - a universal folder (:mod:`shardspeed.checkpoint.ds_to_universal`): each parameter whole under
   ``zero/<name>/``, again one bucket per parameter (:func:`universal_shard`);
 - DeepSpeed's own ZeRO 1/2 shards (``zero_pp_rank_*`` or, with bf16, ``bf16_zero_pp_rank_*``):
-  one bucket per parameter group (:func:`shard_from_deepspeed`, :func:`deepspeed_partitions`).
+  one bucket per parameter group (:func:`shard_from_deepspeed`, :func:`deepspeed_partitions`);
+- DeepSpeed's own ZeRO-3 shards: one bucket per parameter
+  (:mod:`~shardspeed.checkpoint.deepspeed_zero3`), whose model-states files hold no weights:
+  :func:`read_model_states` fills the module in from the shards.
 
 Needs only torch: this module is part of the standalone ``zero_to_fp32.py``.
 """
@@ -23,10 +26,13 @@ from typing import Any
 
 import torch
 
+from shardspeed.checkpoint.deepspeed_zero3 import zero3_module_state, zero3_shards
 from shardspeed.checkpoint.files import (
     MODEL_STATES,
     UNIVERSAL_CHECKPOINT_INFO,
     UNIVERSAL_MASTER,
+    is_deepspeed_zero3,
+    model_states_path,
     shard_paths,
 )
 from shardspeed.checkpoint.layout import (
@@ -40,6 +46,19 @@ from shardspeed.checkpoint.reader import load_file
 ShardReader = Callable[[int], dict[str, Any]]
 
 
+def read_model_states(
+    folder: Path, allow_unsafe_pickle: bool = False, mmap: bool = True
+) -> dict[str, Any]:
+    """What the model-states file of checkpoint tag ``folder``
+    (:func:`~shardspeed.checkpoint.files.model_states_path`) holds, with the module state whole:
+    DeepSpeed's ZeRO-3 saves its parameters empty, so they are built from its optimizer shards
+    (in the dtype its module had)."""
+    state = load_file(model_states_path(folder), mmap=mmap, allow_unsafe_pickle=allow_unsafe_pickle)
+    if is_deepspeed_zero3(folder):
+        state["module"] = zero3_module_state(folder, state, allow_unsafe_pickle)
+    return state
+
+
 def saved_shards(
     folder: Path, model_state: dict[str, Any], allow_unsafe_pickle: bool = False
 ) -> tuple[ShardReader, int] | None:
@@ -51,6 +70,8 @@ def saved_shards(
     if universal is not None:
         shard = universal_shard(folder, universal, allow_unsafe_pickle)
         return (lambda _: shard), 1
+    if is_deepspeed_zero3(folder):
+        return zero3_shards(folder, model_state, allow_unsafe_pickle)
     replicated = model_state.get("optimizer")
     if replicated is not None:
         if "strategy" not in replicated:

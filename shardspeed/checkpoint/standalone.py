@@ -17,7 +17,16 @@ from pathlib import Path
 #: the file name of the script, as DeepSpeed names it
 SCRIPT_NAME = "zero_to_fp32.py"
 #: the modules of this package the script is made of, each after those it imports from
-MODULES = ("files", "manifest", "allowlist", "reader", "layout", "sources", "consolidate")
+MODULES = (
+    "files",
+    "manifest",
+    "allowlist",
+    "reader",
+    "layout",
+    "deepspeed_zero3",
+    "sources",
+    "consolidate",
+)
 _PACKAGE = "shardspeed.checkpoint"
 
 _HEADER = '''"""Consolidate a ZeRO checkpoint into one fp32 ``state_dict`` (DeepSpeed's ``zero_to_fp32``).

@@ -35,12 +35,12 @@ from shardspeed.checkpoint.files import (
     MODEL_STATES,
     UNIVERSAL_CHECKPOINT_INFO,
     existing_tag,
+    model_states_path,
     resolve_tag,
 )
 from shardspeed.checkpoint.manifest import check_tag
-from shardspeed.checkpoint.reader import load_file
 from shardspeed.checkpoint.snapshot import snapshot
-from shardspeed.checkpoint.sources import saved_shards
+from shardspeed.checkpoint.sources import read_model_states, saved_shards
 from shardspeed.runtime.checkpoint_writer import PendingSave, start_save
 from shardspeed.runtime.rank_agreement import agree_on
 from shardspeed.runtime.train_state import COUNTERS
@@ -229,7 +229,7 @@ def load(
         log_dist(f"no 'latest' file in {load_dir} and no tag given: nothing loaded", ranks=[0])
         return None, None
     folder = existing_tag(load_dir, tag)
-    path = folder / MODEL_STATES
+    path = model_states_path(folder)
     failure, state = None, {}
     try:
         if not path.is_file():
@@ -240,7 +240,7 @@ def load(
             )
         check_tag(folder, config.verify_checksums)
         # not memory-mapped: the client state handed back to the caller stays ordinary memory
-        state = load_file(path, mmap=False, allow_unsafe_pickle=unsafe)
+        state = read_model_states(folder, unsafe, mmap=False)
     except Exception as error:  # every rank must learn of it before any collective
         failure = error
     agree_on(failure, f"load checkpoint {folder}", engine.device)
