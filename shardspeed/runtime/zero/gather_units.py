@@ -18,6 +18,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
 
@@ -51,6 +52,8 @@ class GatherUnit:
     persistent: bool = False
     #: gradients of this unit's trained parameters arrived in the current backward
     arrived: int = 0
+    #: all-gathers started and not yet waited for
+    pending: list[Any] = field(default_factory=list)
 
     @property
     def numel(self) -> int:
@@ -63,20 +66,30 @@ class GatherUnit:
     def trained(self) -> list[ParamRecord]:
         return [r for r in self.records if r.trained]
 
-    def start_gather(self) -> list[object]:
-        """Start gathering every released buffer; the caller waits for the returned works."""
+    def start_gather(self) -> None:
+        """Start all-gathering every released buffer (:meth:`finish_gather` waits)."""
         if self.gathered:
-            return []
+            return
         self._set_state(ParamState.GATHERING)
-        return [work for flat in self.flats if (work := flat.gather()) is not None]
+        self.pending = [work for flat in self.flats if (work := flat.gather()) is not None]
 
     def finish_gather(self) -> None:
+        """Wait for the all-gathers in flight; the parameters are whole after it."""
+        for work in self.pending:
+            work.wait()
+        self.pending = []
         self._set_state(ParamState.GATHERED)
+
+    def gather(self) -> None:
+        self.start_gather()
+        self.finish_gather()
 
     def release(self, force: bool = False) -> None:
         """Free the full buffers (a persistent unit only when ``force``)."""
         if self.persistent and not force:
             return
+        if self.pending:  # never free memory an all-gather is writing into
+            self.finish_gather()
         for flat in self.flats:
             flat.release()
         self._set_state(ParamState.SHARDED if not self.gathered else ParamState.GATHERED)

@@ -102,10 +102,8 @@ def _apply_gathered(self: nn.Module, fn: Callable[[nn.Module], None]) -> nn.Modu
         if record is not None and record.unit is not None and record.unit not in units:
             units.append(record.unit)  # a tied parameter's unit lives on another module
     released = [unit for unit in units if not unit.gathered]
-    for unit in released:
-        for work in unit.start_gather():
-            work.wait()  # type: ignore[attr-defined]
-        unit.finish_gather()
+    for unit in units:
+        unit.gather()
     fn(self)
     publish(units, 0)
     for unit in released:
@@ -241,9 +239,7 @@ class Init:
         earlier = constructed_unit(module)
         if earlier is not None:
             # parameters registered after the module was built: one unit with the first ones
-            for work in earlier.start_gather():
-                work.wait()  # type: ignore[attr-defined]
-            earlier.finish_gather()
+            earlier.gather()
             fresh = [(r.name, r.param) for r in earlier.records] + fresh
         for _, param in fresh:
             cast = self.dtype if self.dtype and param.is_floating_point() else param.dtype

@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_leaves
 from shardspeed import comm
 from shardspeed.runtime.zero.buckets import GradBucket
 from shardspeed.runtime.zero.comm_group import CommGroup
+from shardspeed.runtime.zero.execution_trace import ExecutionTrace
 from shardspeed.runtime.zero.flat_shard import FlatShard, pack_flat_shards
 from shardspeed.runtime.zero.gather_units import (
     GatherUnit,
@@ -56,6 +57,8 @@ class ShardingOptions:
     #: ``stage3_max_live_parameters``: gathered (non-persistent) elements allowed at once,
     #: beyond the one unit being gathered
     max_live_parameters: int = 1_000_000_000
+    #: ``stage3_prefetch_bucket_size``: elements gathered ahead of the module that runs
+    prefetch_bucket_size: int = 50_000_000
 
     @classmethod
     def from_config(cls, zero: Any) -> ShardingOptions:
@@ -65,6 +68,7 @@ class ShardingOptions:
             param_persistence_threshold=int(zero.param_persistence_threshold),
             model_persistence_threshold=int(zero.model_persistence_threshold),
             max_live_parameters=int(zero.max_live_parameters),
+            prefetch_bucket_size=int(zero.prefetch_bucket_size),
         )
 
 
@@ -99,6 +103,9 @@ class ParamSharding:
         self._handles: list[Any] = []
         #: the most non-persistent parameter elements gathered at once by the hooks
         self.peak_live = 0
+        self.traces = {_FORWARD: ExecutionTrace(), _BACKWARD: ExecutionTrace()}
+        #: units whose all-gather was started ahead of their module and not fetched yet
+        self._prefetched: list[GatherUnit] = []
 
     # -- setting up -------------------------------------------------------------------------
     @torch.no_grad()
@@ -136,8 +143,13 @@ class ParamSharding:
             for done in earlier:
                 done.release()
         forget_constructed_units(self.module)
+        # the whole forward's boundaries: before every unit's hooks, and after them
+        self._handles.append(
+            self.module.register_forward_pre_hook(self._begin_forward, prepend=True)
+        )
         for unit in self.units:
             self._hook(unit)
+        self._handles.append(self.module.register_forward_hook(self._end_forward))
 
     def adopt_buckets(
         self, buckets: Sequence[GradBucket], comm_group: CommGroup
@@ -212,9 +224,10 @@ class ParamSharding:
     # -- gathering --------------------------------------------------------------------------
     def _fetch(self, units: Iterable[GatherUnit]) -> None:
         """Gather ``units`` (all their all-gathers in flight at once)."""
-        started = [(unit, unit.start_gather()) for unit in units if not unit.gathered]
-        for unit, works in started:
-            _wait(works)
+        chosen = list(units)
+        for unit in chosen:
+            unit.start_gather()
+        for unit in chosen:
             unit.finish_gather()
 
     def fetch(self, unit: GatherUnit) -> None:
@@ -236,8 +249,39 @@ class ParamSharding:
                 + "). Raise stage3_max_live_parameters, or make the nesting shallower (a "
                 "module's own parameters stay gathered while its children run)"
             )
-        self._fetch(wanted)
+        self._fetch([unit, *unit.uses])  # also waits for those started ahead
+        self._prefetched = [u for u in self._prefetched if u is not unit and u not in unit.uses]
         self.peak_live = max(self.peak_live, live + needed)
+
+    def _advance(self, phase: int, unit: GatherUnit) -> None:
+        """Record ``unit`` in this pass's trace and start gathering the units predicted next,
+        up to ``stage3_prefetch_bucket_size`` elements ahead (and within the live budget)."""
+        trace = self.traces[phase]
+        if not trace.visit(unit.index):
+            self._drop_prefetched()
+            return
+        ahead = sum(u.numel for u in self._prefetched)
+        live = self.live_numel()
+        for index in trace.upcoming():
+            upcoming = self.units[index]
+            if upcoming.gathered:
+                continue
+            if (
+                ahead + upcoming.numel > self.options.prefetch_bucket_size
+                or live + upcoming.numel > self.options.max_live_parameters
+            ):
+                break
+            upcoming.start_gather()
+            self._prefetched.append(upcoming)
+            ahead += upcoming.numel
+            live += upcoming.numel
+        self.peak_live = max(self.peak_live, live)
+
+    def _drop_prefetched(self) -> None:
+        """Release what was gathered for a prediction that did not come true."""
+        for unit in self._prefetched:
+            unit.release()
+        self._prefetched = []
 
     def live_numel(self) -> int:
         """Elements of the non-persistent units gathered now."""
@@ -286,6 +330,8 @@ class ParamSharding:
         del module
         self._agree(unit, _FORWARD)
         self.fetch(unit)
+        if not self._in_backward:  # a recompute inside backward is not the forward's order
+            self._advance(_FORWARD, unit)
         if unit.records and not unit.trained() and torch.is_grad_enabled():
             # no gradient of its own tells when its backward is over: the inputs' do
             inputs = [
@@ -313,6 +359,7 @@ class ParamSharding:
         del grad
         self._agree(unit, _BACKWARD)
         self.fetch(unit)
+        self._advance(_BACKWARD, unit)
 
     def _after_backward(self, unit: GatherUnit, grads: Any) -> None:
         del grads
@@ -360,11 +407,26 @@ class ParamSharding:
         if self._in_backward and unit.arrived == len(trained) == len(unit.records):
             unit.release()
 
+    def _begin_forward(self, module: nn.Module, args: Any) -> None:
+        del module, args
+        if not self._in_backward:
+            self.traces[_FORWARD].begin()
+
+    def _end_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        del module, args, output
+        if not self._in_backward:
+            self.traces[_FORWARD].end()
+            self._drop_prefetched()
+            self.release_all()
+
     def begin_backward(self) -> None:
         self._in_backward = True
         for unit in self.units:
             unit.arrived = 0
+        self.traces[_BACKWARD].begin()
 
     def end_backward(self) -> None:
         self._in_backward = False
+        self.traces[_BACKWARD].end()
+        self._drop_prefetched()
         self.release_all()

@@ -81,10 +81,9 @@ class GatheredParameters:
 
     def __enter__(self) -> None:
         self._released = [unit for unit in self.units if not unit.gathered]
-        works = [(unit, unit.start_gather()) for unit in self._released]
-        for unit, pending in works:
-            for work in pending:
-                work.wait()  # type: ignore[attr-defined]
+        for unit in self.units:
+            unit.start_gather()
+        for unit in self.units:
             unit.finish_gather()
 
     def __exit__(

@@ -374,3 +374,66 @@ def live_parameters_budget(max_live: int) -> dict[str, float]:
     largest = max(u.numel for u in engine.strategy.sharding.units)
     engine.destroy()
     return {"peak": float(peak), "largest": float(largest)}
+
+
+def prefetch_runs_ahead(prefetch: int) -> str:
+    """From the second step on, the module after the running one is gathered (or being
+    gathered) already: its status when the running module starts."""
+    torch.manual_seed(0)
+    task = make_task("gpt", rows=8 * dist.get_world_size())
+    model = task.build()
+    engine = _engine(model, 3, zero={**SHARD_ALL, "stage3_prefetch_bucket_size": prefetch})
+    seen: list[ZeroParamStatus] = []
+    nxt = model.blocks[0].attn.proj.weight
+    handle = model.blocks[0].attn.qkv.register_forward_pre_hook(
+        lambda module, args: seen.append(param_status(nxt))
+    )
+    x, y = task.data
+    for step in range(3):
+        rows = rank_rows(step, 0, 2, 1)
+        engine.backward(engine(x[rows], y[rows]))
+        engine.step()
+    handle.remove()
+    assert seen[0] == ZeroParamStatus.NOT_AVAILABLE  # nothing recorded yet
+    engine.destroy()
+    return ",".join(s.name for s in seen[1:])
+
+
+class Swapping(nn.Module):
+    """Runs its two middle layers in one order on even calls, the other on odd ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 1)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        first, second = (self.a, self.b) if self.calls % 2 == 0 else (self.b, self.a)
+        self.calls += 1
+        h = torch.tanh(second(torch.tanh(first(torch.tanh(self.inp(x))))))
+        return nn.functional.mse_loss(self.out(h), y)
+
+
+def changing_order_stays_correct() -> int:
+    """A forward whose module order changes every step: prefetching follows, drops what it
+    predicted wrongly, re-records, and training equals stage 0's."""
+    torch.manual_seed(0)
+    base = Swapping()
+    engines = [_engine(copy.deepcopy(base), stage, zero=SHARD_ALL) for stage in (0, 3)]
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(5):
+        x, y = torch.randn(2, 8, generator=gen), torch.randn(2, 1, generator=gen)
+        losses = []
+        for engine in engines:
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        assert abs(losses[0] - losses[1]) < 1e-6, losses
+    changes = engines[1].strategy.sharding.traces[0].changes
+    for engine in engines:
+        engine.destroy()
+    return changes

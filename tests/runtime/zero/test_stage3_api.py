@@ -102,3 +102,16 @@ def test_live_parameters_stay_within_the_budget(dist_pool):
         assert result["peak"] <= 1300, result
     for result in pool.run(stage3_ranks.live_parameters_budget, 1100):
         assert result == {"error": 1.0}
+
+
+def test_prefetch_gathers_the_next_module_ahead(dist_pool):
+    pool = dist_pool(2)
+    for seen in pool.run(stage3_ranks.prefetch_runs_ahead, 50_000_000):
+        assert "NOT_AVAILABLE" not in seen, seen
+    for seen in pool.run(stage3_ranks.prefetch_runs_ahead, 0):  # prefetching off
+        assert set(seen.split(",")) == {"NOT_AVAILABLE"}, seen
+
+
+def test_changing_module_order_is_followed(dist_pool):
+    for changes in dist_pool(2).run(stage3_ranks.changing_order_stays_correct):
+        assert changes >= 3
