@@ -68,3 +68,10 @@ def test_bus_volume_per_step(dist_pool, world, gas):
 def test_safe_accessors(dist_pool):
     """safe_get/set_* read and write stage 3's partitioned parameters, gradients and state."""
     dist_pool(2).run(ranks.accessors, 3)
+
+
+def test_optimizer_sub_groups(dist_pool):
+    """sub_group_size: the optimizer steps a few hundred elements at a time, same result."""
+    extra = {"zero_optimization": {**SHARD_ALL["zero_optimization"], "sub_group_size": 300}}
+    pool = dist_pool(2)
+    pool.run(run_parity, "mlp", 1, 1.0, 6, stage=3, groups=True, atol=1e-5, config_extra=extra)
