@@ -9,10 +9,13 @@ from shardspeed.runtime.zero.partition_parameters import (
     register_external_parameter,
     unregister_external_parameter,
 )
+from shardspeed.runtime.zero.tiling import TiledLinear, TiledLinearReturnBias
 
 __all__ = [
     "GatheredParameters",
     "Init",
+    "TiledLinear",
+    "TiledLinearReturnBias",
     "ZeroParamStatus",
     "register_external_parameter",
     "unregister_external_parameter",

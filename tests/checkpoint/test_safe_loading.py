@@ -45,7 +45,7 @@ VARIANTS = {
     "universal": ("t_universal", UNIVERSAL_FILE),
 }
 #: the saving and the loading jobs' ZeRO settings: the same layout, so a rank reads only its shard
-ZERO = {"reduce_bucket_size": 3000}
+ZERO = {"reduce_bucket_size": 3000, "stage3_param_persistence_threshold": 0}
 #: how the error names the global the payload calls (builtins.open, pickled as io.open)
 REFUSED = re.compile(r"global \S*open\b")
 
@@ -74,10 +74,10 @@ def _plant(tag_folder: Path, name: str, marker: Path) -> None:
     (tag_folder / MANIFEST).write_text(json.dumps(manifest))
 
 
-def save_one(folder: str) -> None:
+def save_one(folder: str, stage: int = 2) -> None:
     torch.manual_seed(0)
     task = make_task("gpt", rows=8)
-    engine = _engine(task.build(), 2, zero=ZERO)
+    engine = _engine(task.build(), stage, zero=ZERO)
     x, y = task.data
     engine.backward(engine(x[:2], y[:2]))
     engine.step()

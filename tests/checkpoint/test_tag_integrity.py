@@ -41,7 +41,7 @@ def _variants(source: Path, root: Path) -> None:
     (root / "replaced" / "t").rename(replaced_folder(root / "replaced", "t"))
 
 
-def load_damaged(base: str) -> None:
+def load_damaged(base: str, stage: int) -> None:
     root, rank = Path(base), dist.get_rank()
     cases = {
         "truncated": (ValueError, rf"{SHARD.format(1)} is \d+ bytes, its manifest says \d+", {}),
@@ -56,21 +56,22 @@ def load_damaged(base: str) -> None:
     }
     for case, (error, match, options) in cases.items():
         config = {"checkpoint": {"verify_checksums": True}} if options else {}
-        engine = _engine(make_task("gpt", rows=8).build(), 2, zero=ZERO, **config)
+        engine = _engine(make_task("gpt", rows=8).build(), stage, zero=ZERO, **config)
         with pytest.raises(error, match=match):
             engine.load_checkpoint(str(root / case))
         engine.destroy()
-    engine = _engine(make_task("gpt", rows=8).build(), 2, zero=ZERO)
+    engine = _engine(make_task("gpt", rows=8).build(), stage, zero=ZERO)
     path, _ = engine.load_checkpoint(str(root / "replaced"))  # latest names "t"
     assert path is not None and ".t.replaced" in path and engine.global_steps == 1
     engine.destroy()
 
 
 @pytest.mark.timeout(240)
-def test_damaged_tags_are_named(dist_pool, tmp_path):
-    dist_pool(2).run(save_one, str(tmp_path / "source"))
+@pytest.mark.parametrize("stage", [2, 3], ids=["stage2", "stage3"])
+def test_damaged_tags_are_named(dist_pool, tmp_path, stage):
+    dist_pool(2).run(save_one, str(tmp_path / "source"), stage)
     _variants(tmp_path / "source", tmp_path)
-    dist_pool(2).run(load_damaged, str(tmp_path))
+    dist_pool(2).run(load_damaged, str(tmp_path), stage)
     # zero_to_fp32 checks the same way
     with pytest.raises(ValueError, match=rf"{SHARD.format(1)} is \d+ bytes"):
         get_fp32_state_dict_from_zero_checkpoint(tmp_path / "truncated")

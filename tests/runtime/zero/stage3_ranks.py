@@ -437,3 +437,20 @@ def changing_order_stays_correct() -> int:
     for engine in engines:
         engine.destroy()
     return changes
+
+
+def tiled_linear_under_init() -> None:
+    """TiledLinear built partitioned, copying a partitioned layer: the tiles (each its own
+    gather unit) equal the layer on every rank."""
+    torch.manual_seed(dist.get_rank())  # different on each rank: rank 0's values must win
+    with zero.Init():
+        big = nn.Linear(10, 7)
+        tiled = zero.TiledLinear(10, 7, in_splits=2, out_splits=3, init_linear=big)
+    assert all(is_zero_param(p) for p in tiled.parameters())
+    x = torch.randn(4, 10)
+    with zero.GatheredParameters([*big.parameters(), *tiled.parameters()]):
+        torch.testing.assert_close(tiled(x), big(x))
+        weights = big.weight.detach().clone()
+    everyone = [torch.empty_like(weights) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, weights)
+    assert all(torch.equal(w, weights) for w in everyone)

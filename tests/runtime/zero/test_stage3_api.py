@@ -115,3 +115,7 @@ def test_prefetch_gathers_the_next_module_ahead(dist_pool):
 def test_changing_module_order_is_followed(dist_pool):
     for changes in dist_pool(2).run(stage3_ranks.changing_order_stays_correct):
         assert changes >= 3
+
+
+def test_tiled_linear_under_init(dist_pool):
+    dist_pool(2).run(stage3_ranks.tiled_linear_under_init)
