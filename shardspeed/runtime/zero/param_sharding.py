@@ -59,6 +59,9 @@ class ShardingOptions:
     max_live_parameters: int = 1_000_000_000
     #: ``stage3_prefetch_bucket_size``: elements gathered ahead of the module that runs
     prefetch_bucket_size: int = 50_000_000
+    #: ``stage3_max_reuse_distance``: a unit used again after fewer than this many elements of
+    #: other units' fetches (in the recorded forward order) stays gathered in between (0: never)
+    max_reuse_distance: int = 1_000_000_000
 
     @classmethod
     def from_config(cls, zero: Any) -> ShardingOptions:
@@ -69,6 +72,7 @@ class ShardingOptions:
             model_persistence_threshold=int(zero.model_persistence_threshold),
             max_live_parameters=int(zero.max_live_parameters),
             prefetch_bucket_size=int(zero.prefetch_bucket_size),
+            max_reuse_distance=int(zero.max_reuse_distance),
         )
 
 
@@ -106,6 +110,8 @@ class ParamSharding:
         self.traces = {_FORWARD: ExecutionTrace(), _BACKWARD: ExecutionTrace()}
         #: units whose all-gather was started ahead of their module and not fetched yet
         self._prefetched: list[GatherUnit] = []
+        #: units left gathered after their forward because they are used again soon
+        self._kept: list[GatherUnit] = []
 
     # -- setting up -------------------------------------------------------------------------
     @torch.no_grad()
@@ -235,6 +241,13 @@ class ParamSharding:
         wanted = [u for u in (unit, *unit.uses) if not u.gathered]
         live = self.live_numel()
         needed = sum(u.numel for u in wanted if not u.persistent)
+        if live + needed > self.options.max_live_parameters and self._kept:
+            # what is kept for reuse gives way first
+            for kept in self._kept:
+                if kept is not unit and kept not in unit.uses:
+                    kept.release()
+            self._kept = []
+            live = self.live_numel()
         if live and live + needed > self.options.max_live_parameters:
             held = sorted(
                 (u for u in self.units if u.gathered and not u.persistent),
@@ -250,6 +263,7 @@ class ParamSharding:
                 "module's own parameters stay gathered while its children run)"
             )
         self._fetch([unit, *unit.uses])  # also waits for those started ahead
+        self._kept = [u for u in self._kept if u is not unit]
         self._prefetched = [u for u in self._prefetched if u is not unit and u not in unit.uses]
         self.peak_live = max(self.peak_live, live + needed)
 
@@ -352,8 +366,27 @@ class ParamSharding:
                 torch.autograd.graph.register_multi_grad_hook(
                     needing, partial(self._pre_backward, unit), mode="any"
                 )
-        if not self._in_backward:
+        if self._in_backward:
+            return
+        if self._reused_soon(unit):
+            self._kept.append(unit)
+            for used in unit.uses:
+                used.release()
+        else:
             self.release(unit)
+
+    def _reused_soon(self, unit: GatherUnit) -> bool:
+        """Whether the recorded forward uses ``unit`` again within ``stage3_max_reuse_distance``
+        elements of other units' fetches."""
+        distance = 0
+        limit = self.options.max_reuse_distance  # 0: never kept
+        for index in self.traces[_FORWARD].upcoming():
+            if index == unit.index:
+                return distance < limit
+            distance += self.units[index].numel
+            if distance >= limit:
+                return False
+        return False
 
     def _pre_backward(self, unit: GatherUnit, grad: Any) -> None:
         del grad
@@ -417,6 +450,7 @@ class ParamSharding:
         if not self._in_backward:
             self.traces[_FORWARD].end()
             self._drop_prefetched()
+            self._kept = []
             self.release_all()
 
     def begin_backward(self) -> None:

@@ -454,3 +454,25 @@ def tiled_linear_under_init() -> None:
     everyone = [torch.empty_like(weights) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, weights)
     assert all(torch.equal(w, weights) for w in everyone)
+
+
+def reuse_keeps_gathered(distance: int) -> str:
+    """A module that runs twice per forward: after its first call it stays gathered while it
+    is reused within ``stage3_max_reuse_distance``, and is released after its last call."""
+    torch.manual_seed(0)
+    task = make_task("twice", rows=8 * dist.get_world_size())
+    model = task.build()
+    zero_config = {**SHARD_ALL, "stage3_max_reuse_distance": distance}
+    engine = _engine(model, 3, zero=zero_config)
+    seen: list[str] = []
+    handle = model.shared.register_forward_hook(  # runs after the engine's own forward hook
+        lambda module, args, output: seen.append(param_status(module.weight).name)
+    )
+    x, y = task.data
+    for step in range(2):
+        rows = rank_rows(step, 0, 2, 1)
+        engine.backward(engine(x[rows], y[rows]))
+        engine.step()
+    handle.remove()
+    engine.destroy()
+    return ",".join(seen[2:])  # the second step's two calls (the first step records)

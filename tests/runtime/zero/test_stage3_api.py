@@ -119,3 +119,12 @@ def test_changing_module_order_is_followed(dist_pool):
 
 def test_tiled_linear_under_init(dist_pool):
     dist_pool(2).run(stage3_ranks.tiled_linear_under_init)
+
+
+def test_reuse_distance_keeps_a_reused_module_gathered(dist_pool):
+    pool = dist_pool(2)
+    assert pool.run(stage3_ranks.reuse_keeps_gathered, 1_000_000_000)[0] == (
+        "AVAILABLE,NOT_AVAILABLE"
+    )
+    # the two calls are back to back; a distance of 0 keeps nothing
+    assert pool.run(stage3_ranks.reuse_keeps_gathered, 0)[0] == "NOT_AVAILABLE,NOT_AVAILABLE"
