@@ -34,7 +34,6 @@ from torch.utils._pytree import tree_leaves
 from shardspeed import comm
 from shardspeed.runtime.zero.buckets import GradBucket
 from shardspeed.runtime.zero.comm_group import CommGroup
-from shardspeed.runtime.zero.execution_trace import ExecutionTrace
 from shardspeed.runtime.zero.flat_shard import FlatShard, pack_flat_shards
 from shardspeed.runtime.zero.gather_units import (
     GatherUnit,
@@ -42,6 +41,13 @@ from shardspeed.runtime.zero.gather_units import (
     forget_constructed_units,
     plan_units,
 )
+from shardspeed.runtime.zero.module_agreement import (
+    BACKWARD,
+    FORWARD,
+    ModuleAgreement,
+    describe_unit,
+)
+from shardspeed.runtime.zero.prefetcher import Prefetcher
 from shardspeed.runtime.zero.records import ParamRecord, ParamRegistry, record_of
 from shardspeed.runtime.zero.zero_parameter import mark_partitioned, unmark_partitioned
 
@@ -89,10 +95,6 @@ def _distinct(units: Iterable[GatherUnit | None]) -> list[GatherUnit]:
     return seen
 
 
-#: phases in the agreement check
-_FORWARD, _BACKWARD = 0, 1
-
-
 class ParamSharding:
     """The gather units of ``module`` and the hooks that gather and release them."""
 
@@ -107,11 +109,8 @@ class ParamSharding:
         self._handles: list[Any] = []
         #: the most non-persistent parameter elements gathered at once by the hooks
         self.peak_live = 0
-        self.traces = {_FORWARD: ExecutionTrace(), _BACKWARD: ExecutionTrace()}
-        #: units whose all-gather was started ahead of their module and not fetched yet
-        self._prefetched: list[GatherUnit] = []
-        #: units left gathered after their forward because they are used again soon
-        self._kept: list[GatherUnit] = []
+        self.agreement = ModuleAgreement(comm, self.units)
+        self.prefetcher = Prefetcher(self.units, options, self.live_numel)
 
     # -- setting up -------------------------------------------------------------------------
     @torch.no_grad()
@@ -239,14 +238,9 @@ class ParamSharding:
     def fetch(self, unit: GatherUnit) -> None:
         """Gather ``unit`` and the units it uses, within ``stage3_max_live_parameters``."""
         wanted = [u for u in (unit, *unit.uses) if not u.gathered]
-        live = self.live_numel()
         needed = sum(u.numel for u in wanted if not u.persistent)
-        if live + needed > self.options.max_live_parameters and self._kept:
-            # what is kept for reuse gives way first
-            for kept in self._kept:
-                if kept is not unit and kept not in unit.uses:
-                    kept.release()
-            self._kept = []
+        live = self.live_numel()
+        if live + needed > self.options.max_live_parameters and self.prefetcher.give_way(unit):
             live = self.live_numel()
         if live and live + needed > self.options.max_live_parameters:
             held = sorted(
@@ -263,39 +257,11 @@ class ParamSharding:
                 "module's own parameters stay gathered while its children run)"
             )
         self._fetch([unit, *unit.uses])  # also waits for those started ahead
-        self._kept = [u for u in self._kept if u is not unit]
-        self._prefetched = [u for u in self._prefetched if u is not unit and u not in unit.uses]
+        self.prefetcher.fetched(unit)
         self.peak_live = max(self.peak_live, live + needed)
 
     def _advance(self, phase: int, unit: GatherUnit) -> None:
-        """Record ``unit`` in this pass's trace and start gathering the units predicted next,
-        up to ``stage3_prefetch_bucket_size`` elements ahead (and within the live budget)."""
-        trace = self.traces[phase]
-        if not trace.visit(unit.index):
-            self._drop_prefetched()
-            return
-        ahead = sum(u.numel for u in self._prefetched)
-        live = self.live_numel()
-        for index in trace.upcoming():
-            upcoming = self.units[index]
-            if upcoming.gathered:
-                continue
-            if (
-                ahead + upcoming.numel > self.options.prefetch_bucket_size
-                or live + upcoming.numel > self.options.max_live_parameters
-            ):
-                break
-            upcoming.start_gather()
-            self._prefetched.append(upcoming)
-            ahead += upcoming.numel
-            live += upcoming.numel
-        self.peak_live = max(self.peak_live, live)
-
-    def _drop_prefetched(self) -> None:
-        """Release what was gathered for a prediction that did not come true."""
-        for unit in self._prefetched:
-            unit.release()
-        self._prefetched = []
+        self.peak_live = max(self.peak_live, self.prefetcher.advance(phase, unit))
 
     def live_numel(self) -> int:
         """Elements of the non-persistent units gathered now."""
@@ -342,10 +308,10 @@ class ParamSharding:
     # -- hooks ------------------------------------------------------------------------------
     def _pre_forward(self, unit: GatherUnit, module: nn.Module, args: Any) -> None:
         del module
-        self._agree(unit, _FORWARD)
+        self.agreement.check(unit, FORWARD)
         self.fetch(unit)
         if not self._in_backward:  # a recompute inside backward is not the forward's order
-            self._advance(_FORWARD, unit)
+            self._advance(FORWARD, unit)
         if unit.records and not unit.trained() and torch.is_grad_enabled():
             # no gradient of its own tells when its backward is over: the inputs' do
             inputs = [
@@ -368,68 +334,25 @@ class ParamSharding:
                 )
         if self._in_backward:
             return
-        if self._reused_soon(unit):
-            self._kept.append(unit)
+        if self.prefetcher.keep(unit):
             for used in unit.uses:
                 used.release()
         else:
             self.release(unit)
 
-    def _reused_soon(self, unit: GatherUnit) -> bool:
-        """Whether the recorded forward uses ``unit`` again within ``stage3_max_reuse_distance``
-        elements of other units' fetches."""
-        distance = 0
-        limit = self.options.max_reuse_distance  # 0: never kept
-        for index in self.traces[_FORWARD].upcoming():
-            if index == unit.index:
-                return distance < limit
-            distance += self.units[index].numel
-            if distance >= limit:
-                return False
-        return False
-
     def _pre_backward(self, unit: GatherUnit, grad: Any) -> None:
         del grad
-        self._agree(unit, _BACKWARD)
+        self.agreement.check(unit, BACKWARD)
         self.fetch(unit)
-        self._advance(_BACKWARD, unit)
+        self._advance(BACKWARD, unit)
 
     def _after_backward(self, unit: GatherUnit, grads: Any) -> None:
         del grads
         if self._in_backward:
             unit.release()
 
-    def _agree(self, unit: GatherUnit, phase: int) -> None:
-        """Check that every rank is about to run the same module in the same phase, before
-        its collectives: ranks that take different branches would otherwise gather
-        different parameters and wait for each other forever (one 2-element all-gather)."""
-        if not self.comm.partitioned:
-            return
-        device = next((f.full.device for u in self.units for f in u.flats), torch.device("cpu"))
-        mine = torch.tensor([unit.index, phase], dtype=torch.int64, device=device)
-        everyone = torch.empty(2 * self.comm.world_size, dtype=torch.int64, device=device)
-        comm.all_gather_into_tensor(everyone, mine, group=self.comm.group)
-        rows = [tuple(row) for row in everyone.view(-1, 2).tolist()]
-        if all(row == rows[0] for row in rows):
-            return
-        names = {_FORWARD: "forward", _BACKWARD: "backward"}
-        where = "; ".join(
-            f"rank {rank}: {names[ph]} of {self._describe(index)}"
-            for rank, (index, ph) in enumerate(rows)
-        )
-        raise RuntimeError(
-            "ZeRO stage 3: the ranks are about to run different modules, so they would gather "
-            f"different parameters and wait for each other forever ({where}). Every rank must "
-            "run the same modules in the same order; mark a module whose children run "
-            "differently per rank (a Mixture-of-Experts layer) as a leaf with "
-            "shardspeed.utils.set_z3_leaf_modules or zero_optimization.leaf_module"
-        )
-
     def _describe(self, index: int) -> str:
-        if 0 <= index < len(self.units):
-            unit = self.units[index]
-            return f"{unit.name or '<root>'} ({type(unit.module).__name__})"
-        return f"unit {index}"
+        return describe_unit(self.units, index)
 
     def _on_grad(self, record: ParamRecord, param: torch.Tensor) -> None:
         del param
@@ -443,24 +366,21 @@ class ParamSharding:
     def _begin_forward(self, module: nn.Module, args: Any) -> None:
         del module, args
         if not self._in_backward:
-            self.traces[_FORWARD].begin()
+            self.prefetcher.begin(FORWARD)
 
     def _end_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         del module, args, output
         if not self._in_backward:
-            self.traces[_FORWARD].end()
-            self._drop_prefetched()
-            self._kept = []
+            self.prefetcher.end(FORWARD)
             self.release_all()
 
     def begin_backward(self) -> None:
         self._in_backward = True
         for unit in self.units:
             unit.arrived = 0
-        self.traces[_BACKWARD].begin()
+        self.prefetcher.begin(BACKWARD)
 
     def end_backward(self) -> None:
         self._in_backward = False
-        self.traces[_BACKWARD].end()
-        self._drop_prefetched()
+        self.prefetcher.end(BACKWARD)
         self.release_all()

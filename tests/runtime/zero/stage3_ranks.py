@@ -433,7 +433,7 @@ def changing_order_stays_correct() -> int:
             engine.step()
             losses.append(loss.item())
         assert abs(losses[0] - losses[1]) < 1e-6, losses
-    changes = engines[1].strategy.sharding.traces[0].changes
+    changes = engines[1].strategy.sharding.prefetcher.traces[0].changes
     for engine in engines:
         engine.destroy()
     return changes
