@@ -1,6 +1,7 @@
 """``shardspeed-report``: what this machine offers shardspeed (DeepSpeed's ``ds_report``).
 
-Versions (shardspeed, torch, Python, CUDA, NCCL), the accelerator with its device count and
+Versions (shardspeed, torch, Python, CUDA, NCCL), what ``import deepspeed`` gives (shardspeed's
+compatibility package, a real DeepSpeed, or nothing), the accelerator with its device count and
 memory, the torch.distributed backends built in, the fact that no native op needs building,
 ``/dev/shm`` size (with a warning below 512 MiB), whether the working directory can do O_DIRECT
 I/O for NVMe offload, which optional monitors and launcher programs are installed. ``--json``
@@ -36,6 +37,14 @@ def _package_version(name: str) -> str | None:
     except importlib.metadata.PackageNotFoundError:
         module = sys.modules.get(name)
         return getattr(module, "__version__", None)
+
+
+def deepspeed_import_info() -> dict[str, Any]:
+    """What ``import deepspeed`` gives: shardspeed's compatibility package, a real DeepSpeed, or
+    nothing (found without importing it)."""
+    from shardspeed.compat.deepspeed_shim import which_deepspeed
+
+    return which_deepspeed()
 
 
 def shardspeed_info() -> dict[str, Any]:
@@ -230,6 +239,7 @@ def collect_report(directory: str | None = None) -> dict[str, Any]:
     """Every section of the report; a section that fails holds ``{"error": ...}`` instead."""
     sections = {
         "shardspeed": shardspeed_info,
+        "deepspeed_import": deepspeed_import_info,
         "python": python_info,
         "torch": torch_info,
         "accelerator": accelerator_info,
@@ -261,6 +271,7 @@ _TITLES = {
     "native_ops": "native ops",
     "shm": "/dev/shm",
     "nvme": "nvme / O_DIRECT",
+    "deepspeed_import": "import deepspeed",
 }
 _LABELS = {"o_direct": "O_DIRECT", "comet_ml": "comet_ml"}
 

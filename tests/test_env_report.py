@@ -31,6 +31,7 @@ def test_json_lists_fields(report_json: dict) -> None:
     r = report_json
     assert list(r) == [
         "shardspeed",
+        "deepspeed_import",
         "python",
         "torch",
         "accelerator",
