@@ -24,12 +24,36 @@ from shardspeed.launcher.constants import (
     LOCALHOST_ADDR,
     PDSH_LAUNCHER,
 )
-from shardspeed.launcher.env import collect_exports
-from shardspeed.launcher.hostfile import HostfileError, fetch_hostfile
-from shardspeed.launcher.resources import Resources, local_accelerator_count, select_resources
+from shardspeed.launcher.env import collect_exports, env_file_names
+from shardspeed.launcher.hostfile import HostfileError, fetch_hostfile, parse_hostfile_lines
+from shardspeed.launcher.resources import (
+    Resources,
+    local_accelerator_count,
+    parse_resource_filter,
+    select_resources,
+)
 from shardspeed.launcher.supervisor import POLL_INTERVAL_S, StopRequest, forwarding_signals
 from shardspeed.launcher.world_info import encode_world_info
 from shardspeed.utils.logging import logger
+
+# DeepSpeed's names here, which Accelerate and Transformers import: the env file the launcher
+# reads (``DS_ENV_FILE`` renames it) and the folders searched for it, home first
+DEEPSPEED_ENVIRONMENT_NAME = env_file_names()[0]
+DEEPSPEED_ENVIRONMENT_PATHS = [os.path.expanduser("~"), "."]
+
+__all__ = [
+    "DEEPSPEED_ENVIRONMENT_NAME",
+    "DEEPSPEED_ENVIRONMENT_PATHS",
+    "main",
+    "parse_args",
+    "parse_resource_filter",
+]
+
+
+def _parse_hostfile(hostfile_lines: list[str]) -> dict[str, int]:
+    """DeepSpeed's name: ``{host: slots}`` from hostfile lines (``HostfileError`` when bad)."""
+    return parse_hostfile_lines(hostfile_lines)
+
 
 _INSTALL_HINTS = {
     "pdsh": "apt-get install pdsh",

@@ -1,15 +1,46 @@
-"""``see_memory_usage``: a one-line report of host and device memory (DeepSpeed's name)."""
+"""DeepSpeed's ``deepspeed.runtime.utils``: ``see_memory_usage`` (a one-line report of host and
+device memory), ``set_random_seed`` and ``move_to_device``."""
 
 from __future__ import annotations
 
 import gc
+import random
+from collections.abc import Callable
+from typing import Any
 
+import numpy
 import psutil
+import torch
 
 from shardspeed.accelerator import get_accelerator
 from shardspeed.utils.logging import logger
 
 _GIB = 2**30
+
+
+def set_random_seed(seed: int) -> None:
+    """Seed Python's ``random``, NumPy's global generator and torch (every device)."""
+    random.seed(seed)
+    numpy.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def move_to_device(
+    item: Any, device: torch.device | str, criterion_func: Callable[[Any], bool]
+) -> Any:
+    """Move every object in ``item`` (nested lists, tuples, dicts) for which ``criterion_func``
+    holds to ``device`` by swapping its storage (``.data``), so the tensor object itself, and
+    every reference to it, moves; containers are rebuilt, other objects returned unchanged."""
+    if criterion_func(item):
+        item.data = item.data.to(device)
+        return item
+    if isinstance(item, list):
+        return [move_to_device(v, device, criterion_func) for v in item]
+    if isinstance(item, tuple):
+        return tuple(move_to_device(v, device, criterion_func) for v in item)
+    if isinstance(item, dict):
+        return {k: move_to_device(v, device, criterion_func) for k, v in item.items()}
+    return item
 
 
 def memory_report() -> dict[str, float]:

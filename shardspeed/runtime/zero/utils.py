@@ -6,7 +6,11 @@ import torch
 
 from shardspeed.runtime.zero.records import record_of
 
-__all__ = ["is_zero_param"]
+__all__ = ["ZeRORuntimeException", "is_zero_param"]
+
+
+class ZeRORuntimeException(Exception):
+    """A ZeRO optimizer was used in a way it does not support (DeepSpeed's class)."""
 
 
 def is_zero_param(parameter: object) -> bool:
