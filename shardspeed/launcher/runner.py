@@ -320,7 +320,7 @@ def run(args: argparse.Namespace) -> int:
             f"{hint}, or pick another --launcher"
         )
     master_addr = args.master_addr or next(iter(resources))
-    plan = build_plan(args, resources, master_addr)
+    plan = runner.with_exports(build_plan(args, resources, master_addr))
     runner.validate(plan)
     if isinstance(runner, PDSHRunner):
         cmd = runner.get_cmd(plan, os.environ)

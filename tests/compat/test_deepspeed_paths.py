@@ -92,3 +92,24 @@ def test_move_to_device_keeps_tensor_objects() -> None:
     assert moved["x"][0] is a and a.device.type == device.type and a.tolist() == [1.0, 1.0]
     assert moved["x"][1][0] is b and b.device.type == "cpu"
     assert moved["x"][1][1] == "text" and isinstance(moved["x"][1], tuple)
+
+
+def test_multinode_runner_exports() -> None:
+    from shardspeed.launcher.backends import LaunchPlan
+    from shardspeed.launcher.multinode_runner import MultiNodeRunner, SlurmRunner
+
+    runner = SlurmRunner()
+    assert isinstance(runner, MultiNodeRunner) and runner.exports == {}
+    runner.add_export(" NCCL_DEBUG ", " WARN ")
+    runner.add_export("HF_HOME", "/data/hf")
+    assert runner.exports == {"NCCL_DEBUG": "WARN", "HF_HOME": "/data/hf"}
+    plan = LaunchPlan(
+        resources={"a": [0], "b": [0]},
+        user_script="train.py",
+        master_addr="a",
+        exports={"NCCL_DEBUG": "INFO", "PATH": "/bin"},
+    )
+    export_flag = next(a for a in runner.get_cmd(runner.with_exports(plan)) if "--export" in a)
+    assert "NCCL_DEBUG=WARN" in export_flag and "HF_HOME=/data/hf" in export_flag
+    assert "PATH=/bin" in export_flag and "NCCL_DEBUG=INFO" not in export_flag
+    assert SlurmRunner().with_exports(plan) is plan

@@ -11,7 +11,7 @@ import shutil
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from shardspeed.launcher.constants import DEFAULT_MASTER_PORT
 from shardspeed.launcher.resources import Resources
@@ -72,6 +72,20 @@ class MultiNodeRunner(ABC):
 
     name: str = ""
     binary: str = ""
+
+    def __init__(self) -> None:
+        self.exports: dict[str, str] = {}
+        """Variables added with :meth:`add_export`, exported to every rank (DeepSpeed's API)."""
+
+    def add_export(self, key: str, var: str) -> None:
+        """Export ``key=var`` to every rank of jobs this runner starts (surrounding spaces go)."""
+        self.exports[key.strip()] = var.strip()
+
+    def with_exports(self, plan: LaunchPlan) -> LaunchPlan:
+        """``plan`` with this runner's :meth:`add_export` variables added (they win)."""
+        if not self.exports:
+            return plan
+        return replace(plan, exports={**plan.exports, **self.exports})
 
     def backend_exists(self) -> bool:
         """Whether this backend's program is on ``PATH``."""
