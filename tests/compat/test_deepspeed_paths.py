@@ -113,3 +113,19 @@ def test_multinode_runner_exports() -> None:
     assert "NCCL_DEBUG=WARN" in export_flag and "HF_HOME=/data/hf" in export_flag
     assert "PATH=/bin" in export_flag and "NCCL_DEBUG=INFO" not in export_flag
     assert SlurmRunner().with_exports(plan) is plan
+
+
+def test_precision_config_sections() -> None:
+    from shardspeed.config.errors import DeepSpeedConfigError
+    from shardspeed.runtime.precision_config import get_bfloat16_config, get_float16_config
+
+    assert get_bfloat16_config({"bf16": {"enabled": True}}).enabled
+    assert get_bfloat16_config({"bfloat16": {"enabled": True}}).enabled
+    assert not get_bfloat16_config({}).enabled
+    assert get_float16_config({"fp16": {"enabled": True, "loss_scale": 0}}).enabled
+    with pytest.raises(DeepSpeedConfigError, match="enabld"):
+        get_bfloat16_config({"bf16": {"enabld": True}})
+    with pytest.raises(DeepSpeedConfigError, match="legacy"):
+        get_bfloat16_config({"bf16": {}, "bfloat16": {}})
+    with pytest.raises(DeepSpeedConfigError, match="must be an object"):
+        get_bfloat16_config({"bf16": True})
