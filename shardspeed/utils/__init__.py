@@ -44,7 +44,14 @@ _LEAF_MODULE_NAMES = frozenset(
 )
 
 
+_SUBMODULES = frozenset({"groups", "numa", "torch"})
+
+
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:  # DeepSpeed's utils imports these eagerly; here on first use
+        submodule = importlib.import_module(f"shardspeed.utils.{name}")
+        globals()[name] = submodule
+        return submodule
     for names, module in (
         (_TENSOR_FRAGMENT_NAMES, "shardspeed.utils.tensor_fragment"),
         (_LEAF_MODULE_NAMES, "shardspeed.utils.leaf_modules"),
