@@ -16,7 +16,8 @@ class CPU_Accelerator(HostStreamsMixin, DeepSpeedAccelerator):  # noqa: N801 - D
     """Runs everything on the host.
 
     ``device_count()`` is the number of ranks sharing this machine: ``device_count`` given to the
-    constructor, else ``LOCAL_WORLD_SIZE`` (set by torchrun and the shardspeed launcher), else 1.
+    constructor, else ``LOCAL_SIZE`` (what DeepSpeed's CPU accelerator reads), else
+    ``LOCAL_WORLD_SIZE`` (set by torchrun and the shardspeed launcher), else 1.
     Each rank then treats "its" CPU device index as its local rank, which is what launchers and
     tests that reason about devices per node expect.
     """
@@ -46,7 +47,11 @@ class CPU_Accelerator(HostStreamsMixin, DeepSpeedAccelerator):  # noqa: N801 - D
     def device_count(self) -> int:
         if self._device_count is not None:
             return self._device_count
-        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+        for var in ("LOCAL_SIZE", "LOCAL_WORLD_SIZE"):
+            value = int(os.environ.get(var, "0") or 0)
+            if value > 0:
+                return value
+        return 1
 
     def synchronize(self, device_index: int | None = None) -> None:
         """No-op: CPU ops have finished when they return."""

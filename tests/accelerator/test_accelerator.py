@@ -75,9 +75,12 @@ def test_cpu_devices_and_capabilities(monkeypatch):
     assert cpu.supported_dtypes() == [torch.float32, torch.float16, torch.bfloat16]
     assert cpu.is_synchronized_device() and cpu.use_host_timers()
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_SIZE", raising=False)
     assert cpu.device_count() == 1
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert cpu.device_count() == 4
+    monkeypatch.setenv("LOCAL_SIZE", "3")  # DeepSpeed's CPU accelerator reads this first
+    assert cpu.device_count() == 3
     assert CPU_Accelerator(device_count=2).device_count() == 2
     cpu.set_device(3)
     assert cpu.current_device() == 3
