@@ -55,16 +55,17 @@ def main() -> None:
         if rank == 0:
             print(f"resumed from {path} at step {engine.global_steps}", flush=True)
     first_loss = last_loss = float("nan")
-    for step in range(1, args.steps + 1):
+    start = engine.global_steps  # a resumed run counts on from the checkpoint's step
+    for step in range(start + 1, start + args.steps + 1):
         for _ in range(engine.gradient_accumulation_steps()):
             tokens, targets = (t.to(engine.device) for t in next(batches))
             loss = engine(tokens, targets)
             engine.backward(loss)
             engine.step()
         last_loss = loss.item()
-        if step == 1:
+        if step == start + 1:
             first_loss = last_loss
-        if rank == 0 and (step % 10 == 0 or step == 1):
+        if rank == 0 and (step % 10 == 0 or step == start + 1):
             print(f"step {step:4d}  loss {last_loss:.4f}  lr {engine.get_lr()[0]:.2e}", flush=True)
     if rank == 0:
         print(f"done: {args.steps} steps, loss {first_loss:.4f} -> {last_loss:.4f}", flush=True)
