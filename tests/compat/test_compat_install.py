@@ -7,6 +7,7 @@ installed offline (``--no-build-isolation --no-deps``) from a copy of ``compat/d
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -36,9 +37,9 @@ print(json.dumps({
 """
 
 
-def _run(*args: str | Path, cwd: Path) -> str:
+def _run(*args: str | Path, cwd: Path, env: dict[str, str] | None = None) -> str:
     done = subprocess.run(
-        [str(a) for a in args], capture_output=True, text=True, timeout=60, cwd=cwd
+        [str(a) for a in args], capture_output=True, text=True, timeout=60, cwd=cwd, env=env
     )
     assert done.returncode == 0, f"{args} failed:\n{done.stdout}\n{done.stderr}"
     return done.stdout
@@ -75,6 +76,14 @@ def test_install_then_uninstall(tmp_path: Path) -> None:
     assert "+shardspeed." in probe["version"] and probe["hf_check"]
     assert "REPLACES a deepspeed install" in probe["summary"]
     assert "usage: " in _run(bindir / "deepspeed", "--help", cwd=work)
+    ds_report = json.loads(_run(bindir / "ds_report", "--json", cwd=work))
+    assert ds_report["deepspeed_import"]["answer"] == "shardspeed-compat"
+    debug = {**os.environ, "SHARDSPEED_LOG_LEVEL": "debug"}
+    twice = (
+        "import deepspeed, importlib; import deepspeed.comm; importlib.import_module('deepspeed')"
+    )
+    logged = _run(python, "-c", twice, cwd=work, env=debug)
+    assert logged.count("answered by the shardspeed compatibility package") == 1
     after = _answer(python, work)
     assert after["answer"] == "shardspeed-compat"
     assert after["version"] == probe["version"]
