@@ -6,6 +6,8 @@ at all) into an initialized default process group; see :mod:`shardspeed.comm.dis
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 import socket
 from collections.abc import Mapping
@@ -195,7 +197,24 @@ def init_distributed(
         rank=info.rank,
         world_size=info.world_size,
     )
+    atexit.register(_release_at_exit)
     _on_initialized()
+
+
+def _release_at_exit() -> None:
+    """Free the process groups while the interpreter still runs.
+
+    Engines hold their process groups in reference cycles (hooks on parameters point back at
+    the objects that own the groups), which Python may only collect during its own shutdown;
+    a gloo group destroyed then can abort the process (SIGABRT, "terminate called without an
+    active exception") after the script finished. Collect those cycles and destroy the
+    groups here, as a script that called ``destroy_process_group`` itself would have."""
+    gc.collect()
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as error:  # noqa: BLE001 - exiting anyway: say why, do not mask
+            logger.debug(f"destroying the process group at exit failed: {error}")
 
 
 def destroy_process_group(group: Any = None) -> None:
