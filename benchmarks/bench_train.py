@@ -19,6 +19,7 @@ import resource
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -146,17 +147,40 @@ def spawn_ranks(target: Any, world: int, *args: Any) -> list[dict[str, Any]]:
     return sorted(results, key=lambda r: r.get("rank", 0))
 
 
-def _rank_main(
-    rank: int, world: int, port: int, mode: str, args: argparse.Namespace, queue: Any
-) -> None:
+@dataclass
+class RankSetup:
+    """What every benchmark rank starts from: the fp32 model, its batches, the device."""
+
+    device: torch.device
+    model: GPT
+    params: int
+    batches: list[tuple[torch.Tensor, torch.Tensor]]
+    #: peak RSS once the model is built, before any wrapper touches it
+    base_rss: float
+
+
+def rank_setup(rank: int, world: int, port: int, args: argparse.Namespace) -> RankSetup:
+    """Join the process group and build the model and this rank's batches."""
     torch.set_num_threads(args.threads)
     init_rank(rank, world, port)
-    cuda = torch.cuda.is_available()
-    device = torch.device(f"cuda:{rank}" if cuda else "cpu")
+    device = torch.device(f"cuda:{rank}" if torch.cuda.is_available() else "cpu")
     model, cfg = _build(args)
     params = sum(p.numel() for p in model.parameters())
     batches = _batches(cfg, args.micro, args.warmup + args.steps, rank)
-    base_rss = _peak_rss_mb()
+    return RankSetup(device, model, params, batches, _peak_rss_mb())
+
+
+def _rank_main(
+    rank: int, world: int, port: int, mode: str, args: argparse.Namespace, queue: Any
+) -> None:
+    setup = rank_setup(rank, world, port, args)
+    device, model, params, batches, base_rss = (
+        setup.device,
+        setup.model,
+        setup.params,
+        setup.batches,
+        setup.base_rss,
+    )
     if mode == "ddp":
         model = model.to(device)
         ddp = torch.nn.parallel.DistributedDataParallel(model)

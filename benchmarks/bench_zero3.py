@@ -26,14 +26,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_train import (  # noqa: E402
-    _batches,
-    _build,
-    _peak_rss_mb,
-    init_rank,
-    spawn_ranks,
-    time_steps,
-)
+from bench_train import rank_setup, spawn_ranks, time_steps  # noqa: E402
 
 
 def _ds_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -48,14 +41,14 @@ def _ds_config(args: argparse.Namespace) -> dict[str, Any]:
 def _rank_main(
     rank: int, world: int, port: int, mode: str, args: argparse.Namespace, queue: Any
 ) -> None:
-    torch.set_num_threads(args.threads)
-    init_rank(rank, world, port)
-    cuda = torch.cuda.is_available()
-    device = torch.device(f"cuda:{rank}" if cuda else "cpu")
-    model, cfg = _build(args)
-    params = sum(p.numel() for p in model.parameters())
-    batches = _batches(cfg, args.micro, args.warmup + args.steps, rank)
-    base_rss = _peak_rss_mb()
+    setup = rank_setup(rank, world, port, args)
+    device, model, params, batches, base_rss = (
+        setup.device,
+        setup.model,
+        setup.params,
+        setup.batches,
+        setup.base_rss,
+    )
     if mode == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 

@@ -133,6 +133,4 @@ def _get_broadcast_src_rank() -> int:
     group = _get_data_parallel_group()
     if group is None or group is comm.get_world_group():
         return 0
-    import torch.distributed as dist
-
-    return int(dist.get_global_rank(group, 0))
+    return int(comm.get_global_rank(group, 0))

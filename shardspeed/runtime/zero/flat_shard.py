@@ -57,10 +57,6 @@ class FlatShard:
         self.gathered = True
 
     @property
-    def numel(self) -> int:
-        return self.full.numel()
-
-    @property
     def chunk_slice(self) -> slice:
         """Where this rank's shard sits in the flat layout."""
         return slice(self.chunk_numel * self.comm.rank, self.chunk_numel * (self.comm.rank + 1))

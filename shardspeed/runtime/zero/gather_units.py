@@ -50,6 +50,8 @@ class GatherUnit:
     flats: list[FlatShard] = field(default_factory=list)
     #: kept gathered at all times (small parameters, one rank)
     persistent: bool = False
+    #: how many of its parameters an optimizer trains (set when the optimizer is bound)
+    trained_count: int = 0
     #: gradients of this unit's trained parameters arrived in the current backward
     arrived: int = 0
     #: all-gathers started and not yet waited for
@@ -62,9 +64,6 @@ class GatherUnit:
     @property
     def gathered(self) -> bool:
         return all(flat.gathered for flat in self.flats)
-
-    def trained(self) -> list[ParamRecord]:
-        return [r for r in self.records if r.trained]
 
     def start_gather(self) -> None:
         """Start all-gathering every released buffer (:meth:`finish_gather` waits)."""

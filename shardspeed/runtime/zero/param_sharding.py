@@ -82,11 +82,6 @@ class ShardingOptions:
         )
 
 
-def _wait(works: Iterable[Any]) -> None:
-    for work in works:
-        work.wait()
-
-
 def _distinct(units: Iterable[GatherUnit | None]) -> list[GatherUnit]:
     seen: list[GatherUnit] = []
     for unit in units:
@@ -214,6 +209,8 @@ class ParamSharding:
     def watch_gradients(self, records: Iterable[ParamRecord]) -> None:
         """Release a unit once all its trained parameters got their gradients."""
         for record in records:
+            assert record.unit is not None
+            record.unit.trained_count += 1
             self._handles.append(
                 record.param.register_post_accumulate_grad_hook(partial(self._on_grad, record))
             )
@@ -282,28 +279,22 @@ class ParamSharding:
             unit.release(force=True)
 
     @contextmanager
-    def gathered(self, units: Sequence[GatherUnit] | None = None) -> Iterator[None]:
-        """Every unit (or ``units``) gathered inside the block; those that were released
-        before are released again after it."""
-        chosen = list(self.units if units is None else units)
-        released = [unit for unit in chosen if not unit.gathered]
-        self._fetch(chosen)
+    def gathered(self) -> Iterator[None]:
+        """Every unit gathered inside the block; those that were released before are released
+        again after it."""
+        released = [unit for unit in self.units if not unit.gathered]
+        self._fetch(self.units)
         try:
             yield
         finally:
             for unit in released:
                 unit.release()
 
-    def keep_full_values(self, units: Sequence[GatherUnit] | None = None) -> None:
+    def keep_full_values(self) -> None:
         """The (gathered) units' full values were written: make the shards follow them."""
-        for unit in self.units if units is None else units:
+        for unit in self.units:
             for flat in unit.flats:
                 flat.keep_full_values()
-
-    def refresh(self) -> None:
-        """Re-gather every gathered buffer from the shards (after the shards changed)."""
-        works = [w for unit in self.units for f in unit.flats if (w := f.refresh()) is not None]
-        _wait(works)
 
     # -- hooks ------------------------------------------------------------------------------
     def _pre_forward(self, unit: GatherUnit, module: nn.Module, args: Any) -> None:
@@ -312,7 +303,7 @@ class ParamSharding:
         self.fetch(unit)
         if not self._in_backward:  # a recompute inside backward is not the forward's order
             self._advance(FORWARD, unit)
-        if unit.records and not unit.trained() and torch.is_grad_enabled():
+        if unit.records and not unit.trained_count and torch.is_grad_enabled():
             # no gradient of its own tells when its backward is over: the inputs' do
             inputs = [
                 t for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.requires_grad
@@ -359,8 +350,8 @@ class ParamSharding:
         unit = record.unit
         assert unit is not None
         unit.arrived += 1
-        trained = unit.trained()
-        if self._in_backward and unit.arrived == len(trained) == len(unit.records):
+        # frozen parameters of the unit may still be needed later in this backward
+        if self._in_backward and unit.arrived == unit.trained_count == len(unit.records):
             unit.release()
 
     def _begin_forward(self, module: nn.Module, args: Any) -> None:
