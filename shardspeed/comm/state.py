@@ -232,6 +232,29 @@ def new_group(
     return dist.new_group(ranks=ranks, timeout=timeout, backend=backend)
 
 
+#: host (gloo) groups made for device groups, by the device group's id
+_HOST_GROUPS: dict[int, Any] = {}
+
+
+def host_group(group: Any = None) -> Any:
+    """A group of ``group``'s members whose collectives run on host tensors: ``group`` itself
+    when its backend is gloo, otherwise a gloo group over the same ranks, made once (only the
+    members take part). Small control messages (ranks agreeing on what runs next) go through
+    it, so checking them never waits for the device's stream."""
+    _require_initialized("host_group")
+    if dist.get_backend(group) == dist.Backend.GLOO:
+        return group
+    key = id(group)
+    if key not in _HOST_GROUPS:
+        _HOST_GROUPS[key] = new_host_group(get_all_ranks_from_group(group))
+    return _HOST_GROUPS[key]
+
+
+def new_host_group(ranks: list[int]) -> Any:
+    """A gloo group of global ``ranks``, made by its members alone."""
+    return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+
+
 def _require_initialized(what: str) -> None:
     if not is_initialized():
         raise RuntimeError(

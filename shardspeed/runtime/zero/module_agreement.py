@@ -4,7 +4,8 @@ Before a module's parameters are gathered, in forward and again in backward, eve
 all-gathers (unit index, phase). If the ranks are not all about to run the same module, they
 would issue different all-gathers and wait for each other forever; instead every rank raises an
 error naming each rank's module and the fix (mark the routing module as a leaf). The cost is one
-2-element all-gather per module call.
+2-element all-gather per module call, over a host (gloo) group of the same ranks, so on a GPU the
+check never waits for the device's stream: only for the other ranks' processes to get there.
 """
 
 from __future__ import annotations
@@ -36,14 +37,14 @@ class ModuleAgreement:
     def __init__(self, comm_group: CommGroup, units: Sequence[GatherUnit]) -> None:
         self.comm = comm_group
         self.units = units
+        self._host = comm.host_group(comm_group.group) if comm_group.partitioned else None
 
     def check(self, unit: GatherUnit, phase: int) -> None:
         if not self.comm.partitioned:
             return
-        device = next((f.full.device for u in self.units for f in u.flats), torch.device("cpu"))
-        mine = torch.tensor([unit.index, phase], dtype=torch.int64, device=device)
-        everyone = torch.empty(2 * self.comm.world_size, dtype=torch.int64, device=device)
-        comm.all_gather_into_tensor(everyone, mine, group=self.comm.group)
+        mine = torch.tensor([unit.index, phase], dtype=torch.int64)
+        everyone = torch.empty(2 * self.comm.world_size, dtype=torch.int64)
+        comm.all_gather_into_tensor(everyone, mine, group=self._host)
         rows = [tuple(row) for row in everyone.view(-1, 2).tolist()]
         if all(row == rows[0] for row in rows):
             return

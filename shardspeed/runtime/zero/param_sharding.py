@@ -265,25 +265,32 @@ class ParamSharding:
         return sum(u.numel for u in self.units if u.gathered and not u.persistent)
 
     def release(self, unit: GatherUnit) -> None:
-        unit.release()
-        for used in unit.uses:
-            used.release()
+        """Release ``unit`` and the units it uses, except those held for the next micro-step."""
+        for done in (unit, *unit.uses):
+            self._release_one(done)
+
+    def _release_one(self, unit: GatherUnit) -> None:
+        if self.prefetcher.releasable(unit):
+            unit.release()
 
     def release_all(self) -> None:
         for unit in self.units:
-            unit.release()
+            self._release_one(unit)
 
     def empty_cache(self) -> None:
-        """Release every unit, persistent ones too (they are gathered again when used)."""
+        """Release every unit, persistent and held ones too (they are gathered again when
+        used)."""
+        self.prefetcher.unhold()
         for unit in self.units:
             unit.release(force=True)
 
     @contextmanager
-    def gathered(self) -> Iterator[None]:
-        """Every unit gathered inside the block; those that were released before are released
-        again after it."""
-        released = [unit for unit in self.units if not unit.gathered]
-        self._fetch(self.units)
+    def gathered(self, units: Sequence[GatherUnit] | None = None) -> Iterator[None]:
+        """``units`` (default: every unit) gathered inside the block; those that were released
+        before are released again after it."""
+        chosen = self.units if units is None else units
+        released = [unit for unit in chosen if not unit.gathered]
+        self._fetch(chosen)
         try:
             yield
         finally:
@@ -327,7 +334,7 @@ class ParamSharding:
             return
         if self.prefetcher.keep(unit):
             for used in unit.uses:
-                used.release()
+                self._release_one(used)
         else:
             self.release(unit)
 
@@ -340,7 +347,7 @@ class ParamSharding:
     def _after_backward(self, unit: GatherUnit, grads: Any) -> None:
         del grads
         if self._in_backward:
-            unit.release()
+            self._release_one(unit)
 
     def _describe(self, index: int) -> str:
         return describe_unit(self.units, index)
@@ -352,7 +359,7 @@ class ParamSharding:
         unit.arrived += 1
         # frozen parameters of the unit may still be needed later in this backward
         if self._in_backward and unit.arrived == unit.trained_count == len(unit.records):
-            unit.release()
+            self._release_one(unit)
 
     def _begin_forward(self, module: nn.Module, args: Any) -> None:
         del module, args
@@ -365,7 +372,14 @@ class ParamSharding:
             self.prefetcher.end(FORWARD)
             self.release_all()
 
-    def begin_backward(self) -> None:
+    def begin_backward(self, reduce: bool) -> None:
+        """A backward starts; one that does not ``reduce`` (a micro-step inside an
+        accumulation window) leaves the units gathered for the next micro-step, when they fit
+        (see :meth:`.Prefetcher.hold`)."""
+        if reduce:
+            self.prefetcher.unhold()
+        else:
+            self.prefetcher.hold()
         self._in_backward = True
         for unit in self.units:
             unit.arrived = 0

@@ -7,6 +7,12 @@ ahead and within ``stage3_max_live_parameters``; a pass that leaves the record d
 started for it. After a unit's forward, :meth:`Prefetcher.keep` says whether the record uses it
 again within ``stage3_max_reuse_distance`` elements (then it stays gathered until then, or until
 the end of the forward, and gives way first when the live budget is short).
+
+With gradient accumulation the parameters do not change between the micro-steps of one
+optimizer step, so :meth:`Prefetcher.hold` keeps every unit gathered from the end of a
+micro-step that does not reduce until the backward that does, when all of them fit within both
+``stage3_max_live_parameters`` and ``stage3_max_reuse_distance`` (otherwise every micro-step
+gathers again, as DeepSpeed does).
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ class Prefetcher:
         self._ahead: list[GatherUnit] = []
         #: left gathered after their forward because they are used again soon
         self._kept: list[GatherUnit] = []
+        #: kept gathered until the accumulation window's reducing backward (:meth:`hold`)
+        self.held: list[GatherUnit] = []
 
     def begin(self, phase: int) -> None:
         self.traces[phase].begin()
@@ -90,13 +98,30 @@ class Prefetcher:
                 return False
         return False
 
+    def hold(self) -> None:
+        """A micro-step that does not reduce: keep every unit gathered until the one that
+        does, if they all fit in the live budget and the reuse distance."""
+        if self.held:
+            return
+        total = sum(u.numel for u in self.units if not u.persistent)
+        if 0 < total <= min(self.options.max_live_parameters, self.options.max_reuse_distance):
+            self.held = [u for u in self.units if not u.persistent]
+
+    def unhold(self) -> None:
+        """The micro-step reduces: the held units are released as usual from now on."""
+        self.held = []
+
+    def releasable(self, unit: GatherUnit) -> bool:
+        return unit not in self.held
+
     def give_way(self, needed_by: GatherUnit) -> bool:
-        """Release the units kept for reuse (except those ``needed_by`` fetches); whether any
-        were released."""
+        """Release the units kept or held for reuse (except those ``needed_by`` fetches);
+        whether any were released."""
         released = False
-        for unit in self._kept:
-            if unit is not needed_by and unit not in needed_by.uses:
+        for unit in [*self._kept, *self.held]:
+            if unit is not needed_by and unit not in needed_by.uses and unit.gathered:
                 unit.release()
                 released = True
         self._kept = []
+        self.held = []
         return released

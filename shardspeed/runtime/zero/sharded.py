@@ -10,9 +10,13 @@ any stage and world size.
 Communication per optimizer step without accumulation: an all-gather of every non-persistent
 parameter in forward and again in backward, and one reduce-scatter of the gradients: the
 ``3Ψ(N-1)/N`` of DeepSpeed's ZeRO-3. With accumulation, gradients accumulate locally (full size,
-as stage 2) and are reduce-scattered once per optimizer step; parameters are gathered in every
-micro-step's forward and backward, as DeepSpeed does, so memory stays at the shards plus the
-units in use.
+as stage 2) and are reduce-scattered once per optimizer step. The parameters do not change
+between micro-steps, so when the whole model's gathered parameters fit within both
+``stage3_max_live_parameters`` and ``stage3_max_reuse_distance`` they stay gathered from the
+first micro-step's backward to the last one's: still ``3Ψ(N-1)/N`` per optimizer step. A model
+that does not fit (or ``stage3_max_reuse_distance: 0``) is gathered again in every micro-step's
+forward and backward, as DeepSpeed does, ``(2·gas+1)Ψ(N-1)/N``, and memory stays at the shards
+plus the units in use.
 """
 
 from __future__ import annotations
@@ -72,6 +76,20 @@ def mark_configured_leaves(module: nn.Module, leaf: Any) -> None:
         set_z3_leaf_modules_by_suffix(module, list(leaf.name_suffixes))
 
 
+def _host_copies(state: dict[str, Any], copies: dict[int, torch.Tensor]) -> dict[str, Any]:
+    """``state`` with its tensors replaced by host copies (``copies`` by tensor id first),
+    one copy per tensor: the gathered buffers are released after the caller's gather."""
+    result: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            found = copies.get(id(value))
+            if found is None:
+                found = copies.setdefault(id(value), value.detach().to("cpu", copy=True))
+            value = found
+        result[key] = value
+    return result
+
+
 class ParamPartitionStrategy(PartitionedStrategy):
     """Stage 3: partitioned parameters, gradients and optimizer state."""
 
@@ -124,18 +142,25 @@ class ParamPartitionStrategy(PartitionedStrategy):
     def full_state_dict(
         self, prefix: str = "", keep_vars: bool = False, exclude_frozen_parameters: bool = False
     ) -> dict[str, Any]:
-        with self.sharding.gathered():
-            state = super().full_state_dict(prefix, keep_vars, exclude_frozen_parameters)
-            # the gathered buffers are released after this block: keep copies, one per
-            # tensor (tied weights stay one tensor under both names)
-            copies: dict[tuple[int, int, tuple[int, ...]], torch.Tensor] = {}
-            result: dict[str, Any] = {}
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor):
-                    alias = (value.data_ptr(), int(value.storage_offset()), tuple(value.shape))
-                    value = copies.setdefault(alias, value.detach().clone())
-                result[key] = value
-            return result
+        """The whole module's state dict, its parameters copied to host memory one gather unit
+        at a time, so the device never holds more than the units in use plus one (a module
+        whose state-dict hooks may read parameters is gathered whole instead). Tied weights
+        stay one tensor under both names."""
+        if any(m._state_dict_hooks or m._state_dict_pre_hooks for m in self.module.modules()):
+            with self.sharding.gathered():
+                state = super().full_state_dict(prefix, keep_vars, exclude_frozen_parameters)
+                return _host_copies(state, {})
+        state = super().full_state_dict(prefix, True, exclude_frozen_parameters)
+        wanted = {id(v) for v in state.values() if isinstance(v, nn.Parameter)}
+        copies: dict[int, torch.Tensor] = {}
+        for unit in self.sharding.units:
+            params = [r.param for r in unit.records if id(r.param) in wanted]
+            if not params:
+                continue
+            with self.sharding.gathered([unit]):
+                for param in params:
+                    copies[id(param)] = param.detach().to("cpu", copy=True)
+        return _host_copies(state, copies)
 
     def weights_for_save(self, exclude_frozen_parameters: bool = False) -> dict[str, Any] | None:
         if not getattr(self.ctx.zero_config, "gather_16bit_weights_on_model_save", False):
@@ -185,7 +210,7 @@ class ParamPartitionStrategy(PartitionedStrategy):
 
     # -- backward --------------------------------------------------------------------------
     def begin_backward(self, reduce: bool) -> None:
-        self.sharding.begin_backward()
+        self.sharding.begin_backward(reduce)
         super().begin_backward(reduce)
 
     def end_backward(self) -> None:

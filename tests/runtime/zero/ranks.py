@@ -133,11 +133,14 @@ def no_sync_equals_accumulation(stage: int, steps: int = 6) -> None:
         engine.destroy()
 
 
-def comm_bus_bytes_per_step(stage: int, gas: int, steps: int = 3) -> dict[str, float]:
+def comm_bus_bytes_per_step(
+    stage: int, gas: int, steps: int = 3, zero: dict[str, Any] | None = None
+) -> dict[str, float]:
     """Bus bytes this rank moved per optimizer step (after one warm-up step), and Ψ."""
     torch.manual_seed(0)
     model = MLP(width=64, depth=4)
-    engine = _engine(model, stage, gas=gas, zero={"reduce_bucket_size": 3000, **SHARD_ALL})
+    zero = {"reduce_bucket_size": 3000, **SHARD_ALL, **(zero or {})}
+    engine = _engine(model, stage, gas=gas, zero=zero)
     x, y = torch.randn(2, 64), torch.randn(2, 1)
 
     def one_step() -> None:

@@ -66,6 +66,16 @@ def shards_between_uses() -> None:
     engine.destroy()
 
 
+def _recording(finish: Any, live: Any, seen: list[int]) -> Any:
+    """``finish`` (a unit's ``finish_gather``), noting the gathered elements after each call."""
+
+    def wrapped() -> None:
+        finish()
+        seen.append(live())
+
+    return wrapped
+
+
 def eval_state_dict_and_gathered_edits() -> None:
     """``no_grad`` evaluation gives the stage 0 outputs; the full state dict equals the
     gathered weights; ``GatheredParameters(modifier_rank=0)`` edits reach every rank's
@@ -89,11 +99,24 @@ def eval_state_dict_and_gathered_edits() -> None:
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
     model = sharded.module
     assert all(_released(p) for p in model.parameters())
+    # the state dict is gathered one unit at a time, onto the host
+    sharding = sharded.strategy.sharding
+    most_live: list[int] = []
+    for unit in sharding.units:
+        unit.finish_gather = _recording(unit.finish_gather, sharding.live_numel, most_live)
     state = sharded.module_state_dict()
+    for unit in sharding.units:
+        del unit.finish_gather
+    largest = max(u.numel + sum(used.numel for used in u.uses) for u in sharding.units)
+    assert 0 < max(most_live) <= largest < sum(u.numel for u in sharding.units) / 4
+    assert all(_released(p) for p in model.parameters())
     ref_state = reference.module_state_dict()
     assert state.keys() == ref_state.keys()
     for key, value in ref_state.items():
+        assert state[key].device.type == "cpu"
         torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    if "lm_head.weight" in state:  # tied to the embedding: one tensor under both names
+        assert state["lm_head.weight"] is state["wte.weight"]
 
     weight = model.blocks[0].mlp[0].weight
     with GatheredParameters(weight):

@@ -54,14 +54,21 @@ def test_no_sync_equals_accumulation(dist_pool):
     dist_pool(2).run(ranks.no_sync_equals_accumulation, 3)
 
 
-@pytest.mark.parametrize("gas", [1, 4], ids=["gas1", "gas4"])
+@pytest.mark.parametrize(
+    ("gas", "reuse", "gathers"),
+    [(1, None, 2), (4, None, 2), (4, 0, 8)],
+    ids=["gas1", "gas4-held", "gas4-regather"],
+)
 @pytest.mark.parametrize("world", [2, 4], ids=["w2", "w4"])
-def test_bus_volume_per_step(dist_pool, world, gas):
-    """Per optimizer step: every micro-step's forward and backward all-gather the parameters,
-    and the accumulated gradients are reduce-scattered once: (2 gas + 1) Ψ (N-1)/N elements
-    (3Ψ(N-1)/N without accumulation, ZeRO-3's figure)."""
-    for result in dist_pool(world).run(ranks.comm_bus_bytes_per_step, 3, gas):
-        expected = (2 * gas + 1) * result["params"] * (world - 1) / world * 4  # fp32
+def test_bus_volume_per_step(dist_pool, world, gas, reuse, gathers):
+    """Per optimizer step the parameters are all-gathered for a forward and a backward and
+    the accumulated gradients reduce-scattered once: 3Ψ(N-1)/N elements, ZeRO-3's figure, with
+    or without accumulation (the parameters stay gathered between micro-steps when they fit in
+    stage3_max_live_parameters and stage3_max_reuse_distance). With a reuse distance of 0 every
+    micro-step gathers again, as DeepSpeed does: (2 gas + 1)Ψ(N-1)/N."""
+    zero = {} if reuse is None else {"stage3_max_reuse_distance": reuse}
+    for result in dist_pool(world).run(ranks.comm_bus_bytes_per_step, 3, gas, 3, zero):
+        expected = (gathers + 1) * result["params"] * (world - 1) / world * 4  # fp32
         assert result["bus_bytes"] == pytest.approx(expected, rel=0.05)
 
 
