@@ -105,6 +105,8 @@ class ParamSharding:
         #: the most non-persistent parameter elements gathered at once by the hooks
         self.peak_live = 0
         self.agreement = ModuleAgreement(comm, self.units)
+        self.registry = registry
+        self._param_count = sum(1 for _ in module.parameters())
         self.prefetcher = Prefetcher(self.units, options, self.live_numel)
 
     # -- setting up -------------------------------------------------------------------------
@@ -368,9 +370,29 @@ class ParamSharding:
 
     def _end_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         del module, args, output
+        self._refuse_new_parameters()
         if not self._in_backward:
             self.prefetcher.end(FORWARD)
             self.release_all()
+
+    def _refuse_new_parameters(self) -> None:
+        """A parameter that appeared after ``initialize`` (created in a forward, or assigned
+        to the model later) is neither sharded nor stepped: say so instead of training on
+        without it."""
+        if sum(1 for _ in self.module.parameters()) == self._param_count:
+            return
+        new = [n for n, p in self.module.named_parameters() if p not in self.registry]
+        if not new:
+            self._param_count = sum(1 for _ in self.module.parameters())
+            return
+        raise RuntimeError(
+            f"ZeRO stage 3: the model has parameters it did not have at initialize ({', '.join(new[:5])}"
+            + (f" and {len(new) - 5} more" if len(new) > 5 else "")
+            + "): they would be neither partitioned nor updated by the optimizer. Create every "
+            "parameter in its module's __init__ (under shardspeed.zero.Init for a model too "
+            "large to build whole), before shardspeed.initialize; a lazy module (nn.LazyLinear) "
+            "must run one forward before initialize"
+        )
 
     def begin_backward(self, reduce: bool) -> None:
         """A backward starts; one that does not ``reduce`` (a micro-step inside an

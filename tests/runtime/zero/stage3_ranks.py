@@ -499,3 +499,40 @@ def reuse_keeps_gathered(distance: int) -> str:
     handle.remove()
     engine.destroy()
     return ",".join(seen[2:])  # the second step's two calls (the first step records)
+
+
+class _GrowsAParameter(nn.Module):
+    """Creates a parameter in its first forward (after initialize)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not hasattr(self, "late_scale"):
+            self.late_scale = nn.Parameter(torch.ones(8))
+        return (self.proj(x) * self.late_scale).pow(2).mean()
+
+
+def new_parameters_are_refused() -> list[str]:
+    """A parameter created in a forward, or assigned after initialize, is refused by name (it
+    would be neither partitioned nor stepped), on every rank alike."""
+    torch.manual_seed(0)
+    messages = []
+    engine = _engine(_GrowsAParameter(), 3, zero=SHARD_ALL)
+    try:
+        engine(torch.randn(2, 8))
+    except RuntimeError as error:
+        messages.append(str(error))
+    engine.destroy()
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
+    engine = _engine(model, 3, zero=SHARD_ALL)
+    engine.backward(engine(torch.randn(2, 8)).pow(2).mean())
+    engine.step()
+    model[1].extra = nn.Parameter(torch.zeros(1))
+    try:
+        engine(torch.randn(2, 8))
+    except RuntimeError as error:
+        messages.append(str(error))
+    engine.destroy()
+    return messages

@@ -128,3 +128,10 @@ def test_reuse_distance_keeps_a_reused_module_gathered(dist_pool):
     )
     # the two calls are back to back; a distance of 0 keeps nothing
     assert pool.run(stage3_ranks.reuse_keeps_gathered, 0)[0] == "NOT_AVAILABLE,NOT_AVAILABLE"
+
+
+def test_parameters_created_after_initialize_are_refused(dist_pool):
+    for messages in dist_pool(2).run(stage3_ranks.new_parameters_are_refused):
+        assert len(messages) == 2
+        assert "late_scale" in messages[0] and "neither partitioned nor updated" in messages[0]
+        assert "1.extra" in messages[1] and "__init__" in messages[1]
