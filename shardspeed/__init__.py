@@ -15,6 +15,8 @@ from shardspeed.version import __git_branch__, __git_hash__, __version__
 # public name -> module that defines it
 _LAZY: dict[str, str] = {
     "initialize": "shardspeed.runtime.initialize",
+    "init_inference": "shardspeed.inference.entry",
+    "default_inference_config": "shardspeed.inference.entry",
     "init_distributed": "shardspeed.comm",
     "add_config_arguments": "shardspeed.runtime.arguments",
     "add_tuning_arguments": "shardspeed.runtime.lr_schedules",

@@ -1,0 +1,148 @@
+"""``InferenceEngine``: a model prepared for inference, called like the model.
+
+Construction, in order: resolve the tensor-parallel group; pick the weight source (the model in
+memory, or a safetensors checkpoint read slice by slice); split the model by AutoTP's plan while
+converting dtype and placing weights; quantize to int8 when ``dtype`` is int8; build the fused
+decoder when ``replace_with_kernel_inject`` is set and the model is supported.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardspeed.accelerator import get_accelerator
+from shardspeed.inference.autotp import apply_plan
+from shardspeed.inference.config import DeepSpeedInferenceConfig
+from shardspeed.inference.quantization import quantize_module
+from shardspeed.inference.tp_group import TPGroup, resolve_tp_group
+from shardspeed.inference.tp_plan import build_plan
+from shardspeed.inference.weight_source import ModuleWeights, WeightSource, open_checkpoint
+from shardspeed.utils.logging import log_dist
+
+__all__ = ["InferenceEngine"]
+
+
+class InferenceEngine(nn.Module):
+    """Wraps ``model`` (as ``self.module``) after sharding, dtype conversion and injection."""
+
+    def __init__(self, model: nn.Module, config: DeepSpeedInferenceConfig) -> None:
+        super().__init__()
+        self._config = config
+        if config.min_out_tokens > config.max_out_tokens:
+            raise ValueError(
+                f"min_out_tokens={config.min_out_tokens} exceeds max_out_tokens="
+                f"{config.max_out_tokens}; raise max_out_tokens or lower min_out_tokens."
+            )
+        if config.training_mp_size != 1:
+            raise ValueError(
+                f"training_mp_size={config.training_mp_size}: Megatron-sharded training "
+                "checkpoints are not supported; give a Hugging Face safetensors checkpoint."
+            )
+        self.tp: TPGroup = resolve_tp_group(config.tensor_parallel, config.mpu)
+        self.compute_dtype = _compute_dtype(model, config.dtype)
+        self.device = torch.device("cpu") if config.keep_module_on_host else _device()
+        plan = build_plan(
+            model,
+            self.tp.size,
+            self.tp.rank,
+            config.tensor_parallel.tp_grain_size,
+            config.injection_policy,
+        )
+        apply_plan(model, plan, self.tp, self._source(model), self.compute_dtype, self.device)
+        if config.dtype == torch.int8 and config.quant.enabled:
+            quantize_module(model, config.quant)
+        self.module = model.eval()
+        self.fused: Any = None
+        if config.replace_with_kernel_inject:
+            self.fused = _build_fused(model, config, self.tp, self.compute_dtype)
+        self.model_profile_enabled = False
+        self.use_cuda_events = True
+        self._model_times: list[float] = []
+
+    def _source(self, model: nn.Module) -> WeightSource:
+        checkpoint = self._config.checkpoint or self._config.checkpoint_config.checkpoint_dir
+        if checkpoint:
+            base_dir = self._config.base_dir or self._config.checkpoint_config.base_dir or ""
+            return open_checkpoint(checkpoint, base_dir, getattr(model, "base_model_prefix", ""))
+        meta = [n for n, p in model.named_parameters() if p.is_meta]
+        if meta:
+            raise ValueError(
+                f"the model's parameters are on the meta device ({meta[0]}, ...) and no "
+                "checkpoint is given; pass checkpoint=<safetensors directory, index or file>."
+            )
+        return ModuleWeights(model)
+
+    @property
+    def config(self) -> DeepSpeedInferenceConfig:
+        return self._config
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Run the wrapped model (timed when :meth:`profile_model_time` is on)."""
+        if not self.model_profile_enabled:
+            return self.module(*inputs, **kwargs)
+        get_accelerator().synchronize()
+        start = time.perf_counter()
+        out = self.module(*inputs, **kwargs)
+        get_accelerator().synchronize()
+        self._model_times.append((time.perf_counter() - start) * 1000.0)
+        return out
+
+    def generate(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Hugging Face ``generate``; greedy decoding runs on the fused decoder when injected."""
+        return self._generate(*inputs, **kwargs)
+
+    def _generate(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self.fused is not None and self.fused.accepts(*inputs, **kwargs):
+            return self.fused.generate(*inputs, **kwargs)
+        generate = getattr(self.module, "generate", None)
+        if generate is None:
+            raise TypeError(f"{type(self.module).__name__} has no generate()")
+        return generate(*inputs, **kwargs)
+
+    def profile_model_time(self, use_cuda_events: bool = True) -> None:
+        """Record the wall time of every forward from now on (see :meth:`model_times`)."""
+        self.model_profile_enabled = True
+        self.use_cuda_events = use_cuda_events
+
+    def model_times(self) -> list[float]:
+        """Forward times in milliseconds since the last call; the list is then cleared."""
+        times, self._model_times = self._model_times, []
+        return times
+
+
+def _device() -> torch.device:
+    return torch.device(get_accelerator().current_device_name())
+
+
+def _compute_dtype(model: nn.Module, dtype: torch.dtype) -> torch.dtype:
+    """The float dtype the model runs in: ``dtype``, or with int8 the model's own float dtype."""
+    if dtype == torch.int8:
+        floats = [p.dtype for p in model.parameters() if p.is_floating_point()]
+        return floats[0] if floats else torch.float32
+    supported = get_accelerator().supported_dtypes()
+    if dtype not in supported:
+        names = ", ".join(str(d).removeprefix("torch.") for d in supported)
+        raise ValueError(
+            f"dtype={str(dtype).removeprefix('torch.')} is not supported on "
+            f"{get_accelerator().device_name()}; choose one of: {names}, or int8."
+        )
+    return dtype
+
+
+def _build_fused(
+    model: nn.Module, config: DeepSpeedInferenceConfig, tp: TPGroup, dtype: torch.dtype
+) -> Any:
+    from shardspeed.inference.fused.builder import build_fused_decoder
+
+    fused = build_fused_decoder(model, config, tp, dtype)
+    if fused is None:
+        log_dist(
+            f"replace_with_kernel_inject: {type(model).__name__} has no fused decoder; "
+            "running AutoTP only",
+            ranks=[0],
+        )
+    return fused

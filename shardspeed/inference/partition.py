@@ -1,0 +1,109 @@
+"""Which slice of a full weight a tensor-parallel rank keeps: ranges along one dimension.
+
+Pure arithmetic, no torch.distributed: :class:`Slice` names the ranges, :func:`split_range`
+splits a size into near-equal multiples of a grain, :class:`HeadLayout` places attention heads
+(including grouped-query attention with fewer key/value heads than ranks, where each rank keeps a
+copy of the one key/value head its query heads use).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["HeadLayout", "Slice", "split_range"]
+
+
+@dataclass(frozen=True)
+class Slice:
+    """The ranges ``pieces`` (start, stop) along ``dim`` of a full tensor, concatenated."""
+
+    dim: int
+    pieces: tuple[tuple[int, int], ...]
+
+    @property
+    def size(self) -> int:
+        """Length of the kept tensor along ``dim``."""
+        return sum(stop - start for start, stop in self.pieces)
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """This slice of ``full`` (a view when it is one range)."""
+        parts = [full.narrow(self.dim, start, stop - start) for start, stop in self.pieces]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.dim)
+
+    def on_dim(self, dim: int) -> Slice:
+        """The same ranges along another dimension (a transposed layout such as Conv1D)."""
+        return Slice(dim, self.pieces)
+
+
+def split_range(total: int, parts: int, index: int, grain: int = 1) -> tuple[int, int]:
+    """``[start, stop)`` of part ``index`` when ``total`` is split into ``parts`` near-equal
+    pieces, each a multiple of ``grain`` where ``total`` allows (the first parts get the rest)."""
+    if grain < 1 or total % grain or total // grain < parts:
+        grain = 1
+    units = total // grain
+    base, extra = divmod(units, parts)
+    start = (index * base + min(index, extra)) * grain
+    stop = start + (base + (1 if index < extra else 0)) * grain
+    return start, stop
+
+
+@dataclass(frozen=True)
+class HeadLayout:
+    """Attention heads of one rank: query heads split evenly, key/value heads split evenly or,
+    with fewer key/value heads than ranks, the one shared by this rank's query heads."""
+
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    tp_size: int
+    rank: int
+
+    def __post_init__(self) -> None:
+        tp = self.tp_size
+        if self.q_heads % tp:
+            raise ValueError(
+                f"tensor_parallel.tp_size={tp} does not divide the model's "
+                f"{self.q_heads} attention heads; choose a tp_size that divides {self.q_heads}."
+            )
+        if self.kv_heads % tp and tp % self.kv_heads:
+            raise ValueError(
+                f"tensor_parallel.tp_size={tp} and the model's {self.kv_heads} key/value heads "
+                "do not fit: tp_size must divide the key/value heads or be a multiple of them."
+            )
+
+    @property
+    def local_q_heads(self) -> int:
+        return self.q_heads // self.tp_size
+
+    @property
+    def local_kv_heads(self) -> int:
+        return max(self.kv_heads // self.tp_size, 1)
+
+    def q_slice(self, dim: int) -> Slice:
+        """Rows (``dim``) of a query projection, or columns of the output projection."""
+        first = self.rank * self.local_q_heads
+        return self._heads(first, self.local_q_heads, dim)
+
+    def kv_slice(self, dim: int) -> Slice:
+        """Rows (``dim``) of a key or value projection."""
+        if self.kv_heads >= self.tp_size:
+            first = self.rank * self.local_kv_heads
+        else:  # replicated: ranks_per_kv consecutive ranks share key/value head rank // that
+            first = self.rank // (self.tp_size // self.kv_heads)
+        return self._heads(first, self.local_kv_heads, dim)
+
+    def fused_qkv_slice(self, dim: int) -> Slice:
+        """Rows of a fused [q | k | v] projection (GPT-2's ``c_attn``)."""
+        q_width = self.q_heads * self.head_dim
+        kv_width = self.kv_heads * self.head_dim
+        q = self.q_slice(dim).pieces
+        k = tuple((q_width + a, q_width + b) for a, b in self.kv_slice(dim).pieces)
+        v = tuple(
+            (q_width + kv_width + a, q_width + kv_width + b) for a, b in self.kv_slice(dim).pieces
+        )
+        return Slice(dim, q + k + v)
+
+    def _heads(self, first: int, count: int, dim: int) -> Slice:
+        return Slice(dim, ((first * self.head_dim, (first + count) * self.head_dim),))

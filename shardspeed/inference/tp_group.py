@@ -1,0 +1,77 @@
+"""The tensor-parallel group of an inference engine and the two collectives its layers use."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardspeed import comm
+from shardspeed.inference.config import DeepSpeedTPConfig
+
+__all__ = ["TPGroup", "resolve_tp_group"]
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """This rank's place in its tensor-parallel group (``group`` None: a group of one)."""
+
+    group: Any
+    rank: int
+    size: int
+
+    def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over the group in place and return it."""
+        if self.size > 1:
+            comm.inference_all_reduce(tensor, group=self.group)
+        return tensor
+
+    def gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's ``tensor`` along its last dimension, in rank order."""
+        if self.size == 1:
+            return tensor
+        tensor = tensor.contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        comm.all_gather(parts, tensor, group=self.group)
+        return torch.cat(parts, dim=-1)
+
+
+SINGLE = TPGroup(group=None, rank=0, size=1)
+
+
+def resolve_tp_group(tp: DeepSpeedTPConfig, mpu: Any = None) -> TPGroup:
+    """The group from ``tp.tp_group``, an ``mpu``, or consecutive ranks of the world.
+
+    Without an explicit group, ``tp_size`` must divide the world size; the world is split into
+    groups of ``tp_size`` consecutive ranks (every rank creates every group, as torch requires).
+    """
+    mpu = tp.mpu if tp.mpu is not None else mpu
+    if not tp.enabled or (tp.tp_size == 1 and tp.tp_group is None and mpu is None):
+        return SINGLE
+    if not comm.is_initialized():
+        comm.init_distributed()
+    if tp.tp_group is not None or mpu is not None:
+        group = tp.tp_group if tp.tp_group is not None else mpu.get_model_parallel_group()
+        size = comm.get_world_size(group)
+        if tp.tp_size not in (1, size):
+            raise ValueError(
+                f"tensor_parallel.tp_size={tp.tp_size} but the given TP group has {size} ranks; "
+                "set tp_size to the group's size (or leave it at 1)."
+            )
+        return TPGroup(group=group, rank=comm.get_rank(group), size=size)
+    world = comm.get_world_size()
+    if world % tp.tp_size:
+        raise ValueError(
+            f"tensor_parallel.tp_size={tp.tp_size} does not divide the world size {world}; "
+            f"launch a multiple of {tp.tp_size} ranks or choose a tp_size that divides {world}."
+        )
+    if tp.tp_size == world:
+        return TPGroup(group=comm.get_world_group(), rank=comm.get_rank(), size=world)
+    mine: Any = None
+    for first in range(0, world, tp.tp_size):
+        ranks = list(range(first, first + tp.tp_size))
+        group = comm.new_group(ranks)
+        if comm.get_rank() in ranks:
+            mine = group
+    return TPGroup(group=mine, rank=comm.get_rank(mine), size=tp.tp_size)

@@ -1,0 +1,90 @@
+"""Tiny Hugging Face causal LMs built from configs (hidden 64, 2 layers), same weights per seed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import transformers
+
+VOCAB = 256
+
+FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    # name: (config class, model class, config kwargs)
+    "llama": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        {"num_attention_heads": 8, "num_key_value_heads": 2, "intermediate_size": 256},
+    ),
+    "qwen2": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        {"num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 128},
+    ),
+    "qwen3": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        {
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "intermediate_size": 192,  # split 128/64 at tp 2 (tp_grain_size 64)
+            "tie_word_embeddings": True,
+        },
+    ),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", {"n_head": 4, "n_positions": 128}),
+}
+
+
+def config(family: str, **overrides: Any) -> Any:
+    config_cls, _, kwargs = FAMILIES[family]
+    common: dict[str, Any] = {
+        "vocab_size": VOCAB,
+        "bos_token_id": 0,
+        "eos_token_id": None,
+        "pad_token_id": 0,
+    }
+    if family == "gpt2":
+        common |= {"n_embd": 64, "n_layer": 2, "initializer_range": 0.1}
+    else:
+        common |= {
+            "hidden_size": 64,
+            "num_hidden_layers": 2,
+            "max_position_embeddings": 128,
+            "initializer_range": 0.1,
+        }
+    return getattr(transformers, config_cls)(**(common | kwargs | overrides))
+
+
+def build(family: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:
+    """The family's tiny model in fp32, eval mode, the same weights for the same seed."""
+    torch.manual_seed(seed)
+    model_cls = getattr(transformers, FAMILIES[family][1])
+    model = model_cls(config(family, **overrides)).eval()
+    model.requires_grad_(False)
+    return model
+
+
+def prompt(batch: int = 2, length: int = 7, seed: int = 1) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(1, VOCAB, (batch, length), generator=generator)
+
+
+def weight_bytes(module: torch.nn.Module) -> int:
+    """Bytes of the distinct parameters and persistent buffers (tied weights counted once)."""
+    seen: set[int] = set()
+    total = 0
+    tensors = list(module.parameters()) + [
+        b for n, b in module.named_buffers() if "inv_freq" not in n
+    ]
+    for tensor in tensors:
+        key = tensor.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += tensor.untyped_storage().nbytes()
+    return total
+
+
+def greedy(model: Any, ids: torch.Tensor, new_tokens: int = 32) -> torch.Tensor:
+    out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    return out[:, ids.shape[1] :]

@@ -1,0 +1,104 @@
+"""Functions run on every rank of a gloo pool by the inference tests."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import shardspeed
+from shardspeed import comm
+from tests.inference import models
+
+
+def tp_parity(families: list[str], **config: Any) -> dict[str, dict[str, Any]]:
+    """Each family sharded over the world vs the same model in one process: max logit error,
+    whether 32 greedy tokens agree, and the fraction of the weight bytes this rank holds."""
+    world = comm.get_world_size()
+    results: dict[str, dict[str, Any]] = {}
+    ids = models.prompt()
+    for family in families:
+        reference = models.build(family)
+        want_logits = reference(ids).logits
+        want_tokens = models.greedy(reference, ids)
+        engine = shardspeed.init_inference(
+            copy.deepcopy(reference),
+            tensor_parallel={"tp_size": world},
+            dtype=torch.float32,
+            **config,
+        )
+        got_logits = engine(ids).logits
+        got_tokens = models.greedy(engine, ids)
+        results[family] = {
+            "max_err": (got_logits - want_logits).abs().max().item(),
+            "tokens_equal": torch.equal(got_tokens, want_tokens),
+            "bytes_ratio": models.weight_bytes(engine.module) / models.weight_bytes(reference),
+        }
+    return results
+
+
+def load_from_safetensors(family: str, directory: str) -> dict[str, Any]:
+    """Rank 0 saves the model as several safetensors shards; every rank builds it on the meta
+    device and loads only its slices. Returns the max logit error vs the in-memory model."""
+    from accelerate import init_empty_weights
+
+    reference = models.build(family)
+    if comm.get_rank() == 0:
+        reference.save_pretrained(directory, max_shard_size="40KB")
+    comm.barrier()
+    with init_empty_weights():
+        empty = models.build(family)
+    engine = shardspeed.init_inference(
+        empty,
+        checkpoint=directory,
+        tensor_parallel={"tp_size": comm.get_world_size()},
+        dtype=torch.float32,
+    )
+    ids = models.prompt()
+    shards = len(list(Path(directory).glob("*.safetensors")))
+    on_meta = [n for n, p in engine.module.named_parameters() if p.is_meta]
+    err = (engine(ids).logits - reference(ids).logits).abs().max().item()
+    return {"max_err": err, "shards": shards, "on_meta": on_meta}
+
+
+def error_messages(directory: str) -> dict[str, str]:
+    """The ValueError each misuse raises, by case."""
+    world = comm.get_world_size()
+    cases: dict[str, Any] = {
+        "heads": lambda: shardspeed.init_inference(
+            models.build("qwen2", num_attention_heads=1, num_key_value_heads=1, head_dim=64),
+            tensor_parallel={"tp_size": world},
+            dtype=torch.float32,
+        ),
+        "world": lambda: shardspeed.init_inference(
+            models.build("qwen2"), tensor_parallel={"tp_size": 3}, dtype=torch.float32
+        ),
+        "shape": lambda: shardspeed.init_inference(
+            models.build("llama", intermediate_size=64),
+            checkpoint=directory,
+            tensor_parallel={"tp_size": world},
+            dtype=torch.float32,
+        ),
+    }
+    messages = {}
+    for name, make in cases.items():
+        try:
+            make()
+        except ValueError as exc:
+            messages[name] = str(exc)
+        else:
+            messages[name] = "no error"
+    return messages
+
+
+def int8_under_tp(family: str) -> dict[str, float]:
+    """int8 weights on top of AutoTP over the world vs the fp32 single-process model."""
+    from tests.inference.int8_quality import quality
+
+    reference = models.build(family)
+    engine = shardspeed.init_inference(
+        models.build(family), tensor_parallel={"tp_size": comm.get_world_size()}, dtype=torch.int8
+    )
+    return quality(reference, engine, family)
