@@ -11,6 +11,9 @@ from shardspeed import comm
 from shardspeed.config import DeepSpeedConfig, DeepSpeedConfigError
 from shardspeed.runtime.assembly import assemble
 from shardspeed.runtime.engine import DeepSpeedEngine
+from shardspeed.runtime.pipe import assembly as pipe_assembly
+from shardspeed.runtime.pipe.engine import PipelineEngine
+from shardspeed.runtime.pipe.module import PipelineModule
 from shardspeed.utils.logging import log_dist, warning_once
 from shardspeed.version import __git_branch__, __git_hash__, __version__
 
@@ -77,8 +80,13 @@ def initialize(
         )
     source = _config_source(args, config, config_params)
     comm.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
+    pipeline = model if isinstance(model, PipelineModule) else None
+    if pipeline is not None:
+        mpu = pipe_assembly.pipeline_mpu(pipeline, mpu)
     dp_world_size = mpu.get_data_parallel_world_size() if mpu is not None else comm.get_world_size()
     ds_config = DeepSpeedConfig(source, mpu=mpu, dp_world_size=dp_world_size)
+    if pipeline is not None:
+        pipe_assembly.check_pipeline_config(ds_config, pipeline)
     parts = assemble(
         ds_config,
         model,
@@ -90,5 +98,9 @@ def initialize(
         mpu=mpu,
         collate_fn=collate_fn,
     )
-    engine = DeepSpeedEngine(parts)
+    if pipeline is not None:
+        pipe_assembly.attach_pipeline_norm(parts, pipeline)
+        engine: DeepSpeedEngine = PipelineEngine(parts)
+    else:
+        engine = DeepSpeedEngine(parts)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

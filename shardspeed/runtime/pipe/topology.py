@@ -12,6 +12,7 @@ from collections import namedtuple
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from shardspeed import comm
 from shardspeed.comm.topology import Topology
 
 
@@ -99,3 +100,128 @@ class PipeModelDataParallelTopology(ProcessTopology):
 
     def __init__(self, num_pp: int, num_mp: int, num_dp: int) -> None:
         super().__init__(axes=["pipe", "data", "model"], dims=[num_pp, num_dp, num_mp])
+
+
+class PipelineParallelGrid:
+    """This rank's place in a pipeline grid and its process groups: the ``mpu`` object
+    DeepSpeed hands to Megatron-style code (data-, pipe-, model- and slice-parallel queries).
+
+    ``model`` parallelism here is every axis but ``data`` (pipeline stages times tensor
+    slices), as DeepSpeed counts it: the ranks that together hold one copy of the model.
+    Every rank must build the same grids in the same order (they create process groups).
+    """
+
+    def __init__(self, topology: ProcessTopology | None = None, process_group: Any = None) -> None:
+        del process_group  # DeepSpeed's argument; the world is always the grid here
+        self.global_rank = comm.get_rank()
+        self.world_size = comm.get_world_size()
+        if topology is None:
+            topology = PipeDataParallelTopology(num_pp=1, num_dp=self.world_size)
+        if topology.world_size() != self.world_size:
+            raise ValueError(
+                f"the pipeline topology {dict(zip(topology.axes, topology.dims, strict=True))} "
+                f"has {topology.world_size()} ranks but the world has {self.world_size}; make "
+                "the product of its dims equal the number of processes"
+            )
+        self._topo = topology
+        self.data_parallel_size = max(topology.get_dim("data"), 1)
+        self.pipe_parallel_size = max(topology.get_dim("pipe"), 1)
+        self.slice_parallel_size = max(topology.get_dim("model"), 1)
+        self.model_parallel_size = self.pipe_parallel_size * self.slice_parallel_size
+        coord = topology.get_coord(self.global_rank)
+        self.stage_id = int(getattr(coord, "pipe", 0))
+        self.data_parallel_id = int(getattr(coord, "data", 0))
+        self.slice_parallel_id = int(getattr(coord, "model", 0))
+        self.dp_group, self.ranks_dp = self._axis_group(lambda c: _without(c, "data"))
+        self.pp_group, self.ranks_pp = self._axis_group(lambda c: _without(c, "pipe"))
+        self.slice_group, self.ranks_slice = self._axis_group(lambda c: _without(c, "model"))
+        # model parallel: ranks that differ in anything but their data coordinate
+        self.mp_group, self.ranks_mp = self._axis_group(lambda c: _only(c, "data"))
+        self.model_parallel_id = self.ranks_mp.index(self.global_rank)
+        self.is_first_stage = self.stage_id == 0
+        self.is_last_stage = self.stage_id == self.pipe_parallel_size - 1
+
+    def _axis_group(self, key: Any) -> tuple[Any, list[int]]:
+        """Create one group per class of ranks with the same ``key(coord)`` (every rank calls
+        ``new_group`` for every class, in the same order); returns this rank's group and ranks.
+        A class spanning the world uses the world group (None)."""
+        classes: dict[Any, list[int]] = {}
+        for rank in range(self.world_size):
+            classes.setdefault(key(self._topo.get_coord(rank)), []).append(rank)
+        mine_group: Any = None
+        mine_ranks: list[int] = []
+        for ranks in sorted(classes.values()):
+            group = None if len(ranks) == self.world_size else comm.new_group(ranks)
+            if self.global_rank in ranks:
+                mine_group, mine_ranks = group, ranks
+        return mine_group, mine_ranks
+
+    # -- stages --------------------------------------------------------------------------
+    def get_stage_id(self) -> int:
+        return self.stage_id
+
+    def get_data_parallel_id(self) -> int:
+        return self.data_parallel_id
+
+    def stage_to_global(self, stage_id: int, **kwargs: int) -> int:
+        """The global rank of ``stage_id`` at this rank's other coordinates (or ``kwargs``)."""
+        coord = self._topo.get_coord(self.global_rank)._asdict()
+        coord.update(kwargs)
+        coord["pipe"] = stage_id
+        return self._topo.get_rank(**coord)
+
+    def topology(self) -> ProcessTopology:
+        return self._topo
+
+    # -- the mpu interface -----------------------------------------------------------------
+    def get_global_rank(self) -> int:
+        return self.global_rank
+
+    def get_pipe_parallel_rank(self) -> int:
+        return self.stage_id
+
+    def get_pipe_parallel_world_size(self) -> int:
+        return self.pipe_parallel_size
+
+    def get_pipe_parallel_group(self) -> Any:
+        return self.pp_group
+
+    def get_data_parallel_rank(self) -> int:
+        return self.data_parallel_id
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.data_parallel_size
+
+    def get_data_parallel_group(self) -> Any:
+        return self.dp_group
+
+    def get_model_parallel_rank(self) -> int:
+        return self.model_parallel_id
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.model_parallel_size
+
+    def get_model_parallel_group(self) -> Any:
+        return self.mp_group
+
+    def get_slice_parallel_rank(self) -> int:
+        return self.slice_parallel_id
+
+    def get_slice_parallel_world_size(self) -> int:
+        return self.slice_parallel_size
+
+    def get_slice_parallel_group(self) -> Any:
+        return self.slice_group
+
+    # Megatron's names for the slice (tensor) axis
+    get_tensor_model_parallel_rank = get_slice_parallel_rank
+    get_tensor_model_parallel_world_size = get_slice_parallel_world_size
+    get_tensor_model_parallel_group = get_slice_parallel_group
+
+
+def _without(coord: Any, axis: str) -> tuple[tuple[str, int], ...]:
+    return tuple((a, v) for a, v in coord._asdict().items() if a != axis)
+
+
+def _only(coord: Any, axis: str) -> tuple[tuple[str, int], ...]:
+    return tuple((a, v) for a, v in coord._asdict().items() if a == axis)

@@ -1,0 +1,70 @@
+"""What :func:`shardspeed.initialize` does differently for a :class:`~.module.PipelineModule`:
+the grid is the ``mpu``, the ``pipeline`` config section is checked against the module, ZeRO
+stages 2 and 3 are refused, and the engine is a :class:`~.engine.PipelineEngine` whose
+optimizer takes the gradient norm over every stage."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardspeed.config import DeepSpeedConfig
+from shardspeed.runtime.engine_parts import EngineParts
+from shardspeed.runtime.pipe.grad_norm import PipeGradNormReducer, duplicate_squares
+from shardspeed.runtime.pipe.module import PipelineModule
+from shardspeed.runtime.zero.comm_group import CommGroup
+from shardspeed.utils.logging import log_dist
+
+
+def pipeline_mpu(model: PipelineModule, mpu: Any) -> Any:
+    """The grid of ``model`` (DeepSpeed: ``initialize`` with a PipelineModule takes no mpu)."""
+    if mpu is not None:
+        raise ValueError(
+            "initialize(mpu=...) with a PipelineModule: the module's topology is the grid "
+            "(model.mpu()); leave mpu out"
+        )
+    return model.mpu()
+
+
+def check_pipeline_config(config: DeepSpeedConfig, model: PipelineModule) -> None:
+    """Refuse what a pipeline cannot do and apply the ``pipeline`` section to the module."""
+    stage = int(config.zero_optimization.stage)
+    if stage >= 2:
+        raise ValueError(
+            f"ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism (zero_optimization."
+            f"stage={stage}); use stage 0 or 1 with a PipelineModule"
+        )
+    section = config.pipeline
+    if section.stages != "auto" and int(section.stages) != model.num_stages:
+        raise ValueError(
+            f"pipeline.stages={section.stages} but the PipelineModule has {model.num_stages} "
+            "stages; set pipeline.stages to 'auto' or to the module's num_stages"
+        )
+    if section.activation_checkpoint_interval > 0:
+        model.activation_checkpoint_interval = section.activation_checkpoint_interval
+    if section.seed_layers:
+        model.seed_layers = True
+    if model.mpu().get_slice_parallel_world_size() > 1 and (
+        section.pipe_partitioned or section.grad_partitioned
+    ):
+        log_dist(
+            "pipeline.pipe_partitioned / grad_partitioned: activations and gradients travel "
+            "whole between stages in shardspeed (no split over the tensor-slice group)",
+            ranks=[0],
+        )
+
+
+def attach_pipeline_norm(parts: EngineParts, model: PipelineModule) -> None:
+    """Give the optimizer the pipeline's norm: every stage's squares, tied weights once."""
+    if parts.optimizer is None:
+        return
+    grid = model.mpu()
+    mp = CommGroup(
+        grid.get_model_parallel_group(),
+        grid.get_model_parallel_rank(),
+        grid.get_model_parallel_world_size(),
+    )
+    strategy = parts.strategy
+    duplicates = model.tied.duplicates()
+    parts.optimizer.reducer = PipeGradNormReducer(
+        mp, lambda: [duplicate_squares(strategy, duplicates)] if duplicates else []
+    )

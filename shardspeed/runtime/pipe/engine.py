@@ -1,0 +1,419 @@
+"""``PipelineEngine``: runs pipeline schedules (:mod:`.schedule`) over a
+:class:`~.module.PipelineModule`, one stage per rank.
+
+It is the training engine's parts (ZeRO strategy, optimizer wrapper with loss scaling and
+clipping, LR scheduler, step counters, checkpoint verbs) plus one executor: every instruction
+of a schedule maps to one method here (``_INSTRUCTION_MAP``). ``train_batch`` runs a
+:class:`~.schedule.TrainSchedule` over ``gradient_accumulation_steps`` micro-batches;
+``eval_batch`` an :class:`~.schedule.InferenceSchedule`. The user-level verbs ``forward``,
+``backward`` and ``step`` raise :class:`~.module.PipelineError`: the schedule interleaves them.
+
+Gradients: every micro-batch's backward accumulates locally (the strategy's hooks, no
+reduction); at the end of the batch the tied weights' gradients are summed over their stages
+(:class:`ReduceTiedGrads`), then the strategy reduces over the stage's data-parallel group
+(:class:`ReduceGrads`), then the optimizer steps with the global norm taken over every stage
+(:class:`~.grad_norm.PipeGradNormReducer`).
+
+Errors a rank finds in the middle of a schedule (a last stage whose output is not a loss) do not
+stop it there, where its neighbours would wait for it forever: it finishes the schedule with a
+zero loss and every rank raises together before the optimizer step. A data iterator is read for
+the whole batch before the schedule starts, and every rank learns whether it ran dry.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from shardspeed import comm
+from shardspeed.runtime.engine import DeepSpeedEngine
+from shardspeed.runtime.engine_parts import EngineParts
+from shardspeed.runtime.pipe import schedule
+from shardspeed.runtime.pipe.module import PipelineError, PipelineModule
+from shardspeed.runtime.pipe.p2p import MessageMeta, P2PChannel
+from shardspeed.runtime.precision.autocast import autocast_if_enabled
+from shardspeed.runtime.zero.records import record_of
+
+__all__ = ["PipelineEngine", "PipelineError"]
+
+
+def _to_device(item: Any, device: torch.device) -> Any:
+    if isinstance(item, torch.Tensor):
+        return item.to(device, non_blocking=True)
+    if isinstance(item, tuple | list):
+        return type(item)(_to_device(x, device) for x in item)
+    return item
+
+
+def _tensors(message: Any) -> tuple[torch.Tensor, ...]:
+    return message if isinstance(message, tuple) else (message,)
+
+
+class ActivationMeter:
+    """Counts the micro-batches whose activations are alive on this stage (weak references to
+    each forward's outputs: alive while autograd or a buffer still holds them)."""
+
+    def __init__(self) -> None:
+        self._refs: list[weakref.ref[torch.Tensor]] = []
+        self.peak = 0
+
+    def record(self, outputs: Any) -> None:
+        tensors = [t for t in _tensors(outputs) if isinstance(t, torch.Tensor)]
+        if tensors:
+            self._refs.append(weakref.ref(tensors[0]))
+        self._refs = [r for r in self._refs if r() is not None]
+        self.peak = max(self.peak, len(self._refs))
+
+    def alive(self) -> int:
+        self._refs = [r for r in self._refs if r() is not None]
+        return len(self._refs)
+
+
+class PipelineEngine(DeepSpeedEngine):
+    """The engine :func:`shardspeed.initialize` returns for a :class:`PipelineModule`."""
+
+    def __init__(self, parts: EngineParts) -> None:
+        super().__init__(parts)
+        module = self.module
+        assert isinstance(module, PipelineModule), "model must be a PipelineModule"
+        self.pipe_module: PipelineModule = module
+        self.grid = module.mpu()
+        self._grid = self.grid
+        self.num_stages = self.grid.pipe_parallel_size
+        self.stage_id = self.grid.get_stage_id()
+        self.prev_stage = self.stage_id - 1
+        self.next_stage = self.stage_id + 1
+        self.micro_batches = self.gradient_accumulation_steps()
+        self.micro_batch_size = self.train_micro_batch_size_per_gpu()
+        self.is_pipe_parallel = self.num_stages > 1
+        self.is_data_parallel = self.grid.data_parallel_size > 1
+        self.channel = P2PChannel(self.device, module.dynamic_shape)
+        self.data_iterator: Iterator[Any] | None = None
+        self.batch_fn: Callable[[Any], Any] | None = None
+        self.activation_meter = ActivationMeter()
+        self.agg_train_loss: torch.Tensor | None = None
+        self.first_output_send = True
+        self._error: str | None = None
+        self._batch: list[Any] = []
+        self._reset_buffers(0)
+        if self.training_dataloader is not None and (self.is_first_stage() or self.is_last_stage()):
+            self.set_dataiterator(iter(self.training_dataloader))
+
+    # -- the verbs a pipeline does not have ---------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise PipelineError("Only train_batch() is accessible in pipeline mode.")
+
+    def backward(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        raise PipelineError("Only train_batch() is accessible in pipeline mode.")
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        raise PipelineError("Only train_batch() is accessible in pipeline mode.")
+
+    # -- queries and setters ----------------------------------------------------------------
+    def is_first_stage(self) -> bool:
+        return self.stage_id == 0
+
+    def is_last_stage(self) -> bool:
+        return self.stage_id == self.num_stages - 1
+
+    def set_dataiterator(self, iterator: Iterator[Any]) -> None:
+        """Read micro-batches from ``iterator`` (first and last stage; others ignore it)."""
+        self.data_iterator = iterator
+
+    def set_batch_fn(self, fn: Callable[[Any], Any]) -> None:
+        """Apply ``fn`` to every micro-batch read, before it is split into inputs and labels."""
+        self.batch_fn = fn
+
+    def reset_activation_shape(self) -> None:
+        """Forget the cached activation shapes; the next transfer describes its tensors again
+        (every rank must call it)."""
+        self.channel.reset()
+        self.first_output_send = True
+
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        super().set_train_batch_size(train_batch_size)
+        self.micro_batches = self.gradient_accumulation_steps()
+
+    # -- the batch verbs --------------------------------------------------------------------
+    def train_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
+        """One optimizer step over ``gradient_accumulation_steps`` micro-batches from
+        ``data_iter``; returns the batch's mean loss on every stage."""
+        if not torch.is_grad_enabled():
+            raise PipelineError(
+                "train_batch() requires gradients enabled. Use eval_batch() instead."
+            )
+        self._optim.require("train_batch()")
+        if data_iter is not None:
+            self.set_dataiterator(data_iter)
+        self.module.train()
+        self.micro_batches = self.gradient_accumulation_steps()
+        self._fetch_batch(self.micro_batches)
+        sched = schedule.TrainSchedule(self.micro_batches, self.num_stages, self.stage_id)
+        self._losses: list[torch.Tensor] = []
+        self._exec_schedule(sched, training=True)
+        self.agg_train_loss = self._aggregate_loss(self._losses, bcast=True)
+        return self.agg_train_loss
+
+    def eval_batch(
+        self,
+        data_iter: Iterator[Any],
+        return_logits: bool = False,
+        compute_loss: bool = True,
+        reduce_output: str | None = "avg",
+        bcast_loss: bool = True,
+        num_micro_batches: int | None = None,
+    ) -> Any:
+        """Forward passes over ``num_micro_batches`` (default ``gradient_accumulation_steps``)
+        micro-batches. Returns the mean loss (``reduce_output="avg"``; averaged over the
+        data-parallel group, on every stage with ``bcast_loss``) or the per-micro-batch losses
+        (``reduce_output=None``); with ``return_logits``, ``(loss, logits)`` where logits are
+        the last stage's outputs of the last micro-batch (None on other stages)."""
+        if reduce_output not in ("avg", None):
+            raise ValueError(f"reduce_output={reduce_output!r}: use 'avg' or None")
+        self.set_dataiterator(data_iter)
+        was_training = self.module.training
+        self.module.eval()
+        micro_batches = num_micro_batches or self.gradient_accumulation_steps()
+        self._fetch_batch(micro_batches)
+        self._losses = []
+        self._compute_loss = compute_loss
+        self._last_outputs: Any = None
+        sched = schedule.InferenceSchedule(micro_batches, self.num_stages, self.stage_id)
+        try:
+            with torch.no_grad():
+                self._exec_schedule(sched, training=False)
+        finally:
+            self._compute_loss = True
+            self.module.train(was_training)
+        self._agree_no_error("eval_batch")
+        output: Any = None
+        if compute_loss:
+            if reduce_output == "avg":
+                output = self._aggregate_loss(self._losses, bcast=bcast_loss)
+            else:
+                output = self._losses if self.is_last_stage() else None
+        logits, self._last_outputs = self._last_outputs, None
+        return (output, logits) if return_logits else output
+
+    # -- data ---------------------------------------------------------------------------------
+    def _fetch_batch(self, count: int) -> None:
+        """Read the batch's ``count`` micro-batches now (first and last stage), so a data
+        iterator that runs dry is found on every rank before any transfer starts."""
+        self._batch = []
+        failure = ""
+        if self.is_first_stage() or self.is_last_stage():
+            if self.data_iterator is None:
+                failure = (
+                    "no data iterator: pass train_batch(data_iter=...) / eval_batch(data_iter) "
+                    "or training_data= to initialize()"
+                )
+            else:
+                try:
+                    for _ in range(count):
+                        batch = next(self.data_iterator)
+                        if self.batch_fn is not None:
+                            batch = self.batch_fn(batch)
+                        self._batch.append(batch)
+                except StopIteration:
+                    failure = (
+                        f"the data iterator ran dry after {len(self._batch)} of the batch's "
+                        f"{count} micro-batches (gradient_accumulation_steps); wrap the loader "
+                        "in shardspeed.utils.RepeatingLoader or give it enough batches"
+                    )
+        self._error = failure or None
+        self._agree_no_error("reading the batch")
+        self._batch.reverse()
+
+    def _agree_no_error(self, where: str) -> None:
+        """Every rank learns whether any rank hit an error; all raise together if one did."""
+        flag = torch.tensor([1.0 if self._error else 0.0], device=self.device)
+        if comm.get_world_size() > 1:
+            comm.all_reduce(flag, op=comm.ReduceOp.MAX)
+        if flag.item() > 0:
+            mine, self._error = self._error, None
+            raise PipelineError(
+                f"pipeline stage {self.stage_id} (rank {self.global_rank}), {where}: "
+                + (mine or "another stage failed (see its message); stopped on every rank")
+            )
+
+    # -- the executor -----------------------------------------------------------------------
+    def _reset_buffers(self, count: int) -> None:
+        self.pipe_buffers: dict[str, list[Any]] = {
+            key: [None] * count
+            for key in ("inputs", "labels", "outputs", "meta", "output_grads", "loss")
+        }
+
+    def _exec_schedule(self, sched: schedule.PipeSchedule, training: bool) -> None:
+        self._training = training
+        self._reset_buffers(sched.num_pipe_buffers())
+        for step_cmds in sched:
+            for cmd in step_cmds:
+                handler = self._INSTRUCTION_MAP.get(type(cmd))
+                if handler is None:
+                    raise RuntimeError(
+                        f"PipelineEngine has no handler for instruction {type(cmd).__name__}"
+                    )
+                handler(self, cmd)
+        self._reset_buffers(0)
+
+    def _exec_load_micro_batch(self, cmd: schedule.LoadMicroBatch) -> None:
+        batch = self._batch.pop()
+        if not isinstance(batch, tuple | list) or len(batch) != 2:
+            raise PipelineError(
+                "a pipeline micro-batch must be a pair (inputs, labels); got "
+                f"{type(batch).__name__}"
+            )
+        inputs, labels = batch
+        if self.is_first_stage():
+            self.pipe_buffers["inputs"][cmd.buffer_id] = _to_device(
+                tuple(inputs) if isinstance(inputs, list) else inputs, self.device
+            )
+        if self.is_last_stage():
+            self.pipe_buffers["labels"][cmd.buffer_id] = _to_device(labels, self.device)
+
+    def _exec_forward_pass(self, cmd: schedule.ForwardPass) -> None:
+        buffer = cmd.buffer_id
+        inputs = self.pipe_buffers["inputs"][buffer]
+        policy = self.precision
+        with autocast_if_enabled(
+            policy.autocast_enabled,
+            policy.autocast_dtype,
+            self.device.type,
+            native_low_precision=policy.param_dtype != torch.float32,
+        ):
+            outputs = self.module(inputs)
+        if self._training:
+            self.activation_meter.record(outputs)
+        if not self.is_last_stage():
+            self.pipe_buffers["outputs"][buffer] = outputs
+            return
+        if not self._training:
+            self._last_outputs = outputs
+            if not self._compute_loss:
+                return
+        loss = self._loss(outputs, self.pipe_buffers["labels"][buffer])
+        self.pipe_buffers["loss"][buffer] = loss
+        self._losses.append(loss.detach().float().reshape(()))
+
+    def _loss(self, outputs: Any, labels: Any) -> torch.Tensor:
+        loss_fn = self.pipe_module.loss_fn
+        loss = loss_fn(outputs, labels) if loss_fn is not None else outputs
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            return loss
+        self._error = (
+            "the last stage's output is not a scalar loss and the PipelineModule has no "
+            "loss_fn; pass loss_fn=<fn(outputs, labels) -> loss> to PipelineModule"
+        )
+        # finish the schedule with a zero loss (the other stages wait on this one); every rank
+        # raises before the optimizer step
+        floats = [t for t in _tensors(outputs) if t.is_floating_point()]
+        return sum((t.float().sum() * 0.0 for t in floats), torch.zeros((), device=self.device))
+
+    def _exec_backward_pass(self, cmd: schedule.BackwardPass) -> None:
+        buffer = self.pipe_buffers
+        self.strategy.begin_backward(reduce=False)
+        if self.is_last_stage():
+            loss = buffer["loss"][cmd.buffer_id] / self.micro_batches
+            self._optim.scale_loss(loss).backward()
+        else:
+            outputs = [t for t in _tensors(buffer["outputs"][cmd.buffer_id]) if t.requires_grad]
+            grads = buffer["output_grads"][cmd.buffer_id]
+            if outputs:
+                torch.autograd.backward(tensors=outputs, grad_tensors=grads)
+        self.strategy.end_backward()
+        buffer["outputs"][cmd.buffer_id] = None
+        buffer["output_grads"][cmd.buffer_id] = None
+        buffer["loss"][cmd.buffer_id] = None
+        buffer["labels"][cmd.buffer_id] = None
+
+    def _exec_send_activations(self, cmd: schedule.SendActivation) -> None:
+        outputs = self.pipe_buffers["outputs"][cmd.buffer_id]
+        self.channel.send_activations(
+            outputs, self.grid.stage_to_global(self.next_stage), self._training
+        )
+        self.first_output_send = False
+        if not self._training:
+            self.pipe_buffers["outputs"][cmd.buffer_id] = None
+
+    def _exec_recv_activations(self, cmd: schedule.RecvActivation) -> None:
+        inputs, meta = self.channel.recv_activations(
+            self.grid.stage_to_global(self.prev_stage), self._training
+        )
+        self.pipe_buffers["inputs"][cmd.buffer_id] = inputs
+        self.pipe_buffers["meta"][cmd.buffer_id] = meta
+
+    def _exec_send_grads(self, cmd: schedule.SendGrad) -> None:
+        inputs = self.pipe_buffers["inputs"][cmd.buffer_id]
+        meta: MessageMeta = self.pipe_buffers["meta"][cmd.buffer_id]
+        grads = [t.grad for t in _tensors(inputs) if t.requires_grad]
+        self.channel.send_grads(grads, meta, self.grid.stage_to_global(self.prev_stage))
+        self.pipe_buffers["inputs"][cmd.buffer_id] = None
+        self.pipe_buffers["meta"][cmd.buffer_id] = None
+
+    def _exec_recv_grads(self, cmd: schedule.RecvGrad) -> None:
+        outputs = self.pipe_buffers["outputs"][cmd.buffer_id]
+        self.pipe_buffers["output_grads"][cmd.buffer_id] = self.channel.recv_grads(
+            outputs, self.grid.stage_to_global(self.next_stage)
+        )
+
+    def _exec_reduce_tied_grads(self, cmd: schedule.ReduceTiedGrads) -> None:
+        del cmd
+        self.pipe_module.tied.allreduce_grads(grad_of=self._accumulated_grad)
+
+    def _accumulated_grad(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """The gradient of ``weight`` accumulated so far, where the strategy keeps it."""
+        record = record_of(weight)
+        if record is None or record.group is None:
+            return weight.grad
+        return record.group.buckets.grad_of(record)
+
+    def _exec_reduce_grads(self, cmd: schedule.ReduceGrads) -> None:
+        del cmd
+        self.strategy.reduce_now()
+
+    def _exec_optimizer_step(self, cmd: schedule.OptimizerStep) -> None:
+        del cmd
+        self._agree_no_error("train_batch")
+        applied = self._optim.step()
+        if applied and self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        for _ in range(self.micro_batches):
+            self.state.end_micro_step()
+        self.state.end_optimizer_step(applied, self.train_batch_size())
+        self._report_progress()
+
+    _INSTRUCTION_MAP: dict[type, Callable[[Any, Any], None]] = {
+        schedule.LoadMicroBatch: _exec_load_micro_batch,
+        schedule.ForwardPass: _exec_forward_pass,
+        schedule.BackwardPass: _exec_backward_pass,
+        schedule.SendActivation: _exec_send_activations,
+        schedule.RecvActivation: _exec_recv_activations,
+        schedule.SendGrad: _exec_send_grads,
+        schedule.RecvGrad: _exec_recv_grads,
+        schedule.ReduceTiedGrads: _exec_reduce_tied_grads,
+        schedule.ReduceGrads: _exec_reduce_grads,
+        schedule.OptimizerStep: _exec_optimizer_step,
+    }
+
+    # -- the loss -----------------------------------------------------------------------------
+    def _aggregate_loss(self, losses: list[torch.Tensor], bcast: bool) -> torch.Tensor:
+        """The mean of the last stage's micro-batch losses, averaged over its data-parallel
+        group, then (``bcast``) sent to every stage of the pipeline."""
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        if self.is_last_stage():
+            total = torch.stack(losses).mean() if losses else total
+            if self.is_data_parallel:
+                comm.all_reduce(total, group=self.grid.get_data_parallel_group())
+                total = total / self.grid.data_parallel_size
+        if bcast and self.is_pipe_parallel:
+            total = total.reshape(1).contiguous()
+            comm.broadcast(
+                total,
+                src=self.grid.stage_to_global(self.num_stages - 1),
+                group=self.grid.get_pipe_parallel_group(),
+            )
+            total = total.reshape(())
+        return total

@@ -1,0 +1,169 @@
+"""Moving activations and gradients between neighbouring pipeline stages over
+:mod:`shardspeed.comm` point-to-point calls.
+
+A message is one tensor or a tuple of tensors. The first time a stage sends to a neighbour in a
+mode (training or evaluation), it sends a description of the message (its length first, then
+per tensor: dtype, requires_grad, shape) so the receiver can allocate; both sides cache it and
+later messages are the tensors only. With ``dynamic_shape`` the description goes with every
+message; :meth:`P2PChannel.reset` forgets the cache (``reset_activation_shape``), on both sides.
+A sender whose message no longer matches the cached description refuses to send (the receiver
+would read wrong sizes). Gradients need no description: they have the shapes of the
+activations that required grad, in the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardspeed import comm
+
+#: dtypes a message may carry, by their code in the description
+_DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+]
+_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    dtype: torch.dtype
+    requires_grad: bool
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class MessageMeta:
+    """What a message holds: whether it is a tuple, and each tensor's description."""
+
+    is_tuple: bool
+    tensors: tuple[TensorMeta, ...]
+
+    @classmethod
+    def of(cls, message: Any) -> MessageMeta:
+        tensors = message if isinstance(message, tuple) else (message,)
+        metas = []
+        for index, tensor in enumerate(tensors):
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(
+                    f"a pipeline stage's output must be a tensor or a tuple of tensors; "
+                    f"element {index} is {type(tensor).__name__}"
+                )
+            if tensor.dtype not in _CODE:
+                raise TypeError(f"pipeline activations of dtype {tensor.dtype} are not supported")
+            metas.append(TensorMeta(tensor.dtype, tensor.requires_grad, tuple(tensor.shape)))
+        return cls(isinstance(message, tuple), tuple(metas))
+
+    def encode(self) -> list[int]:
+        out = [int(self.is_tuple), len(self.tensors)]
+        for meta in self.tensors:
+            out += [_CODE[meta.dtype], int(meta.requires_grad), len(meta.shape), *meta.shape]
+        return out
+
+    @classmethod
+    def decode(cls, values: Sequence[int]) -> MessageMeta:
+        is_tuple, count = bool(values[0]), values[1]
+        pos, metas = 2, []
+        for _ in range(count):
+            dtype, grad, ndim = _DTYPES[values[pos]], bool(values[pos + 1]), values[pos + 2]
+            shape = tuple(values[pos + 3 : pos + 3 + ndim])
+            metas.append(TensorMeta(dtype, grad, shape))
+            pos += 3 + ndim
+        return cls(is_tuple, tuple(metas))
+
+    @property
+    def grad_metas(self) -> list[TensorMeta]:
+        return [m for m in self.tensors if m.requires_grad]
+
+
+class ActivationShapeError(RuntimeError):
+    """A stage's output changed shape or dtype while shapes are cached."""
+
+
+class P2PChannel:
+    """This stage's activation and gradient exchange with its neighbours (global ranks)."""
+
+    def __init__(self, device: torch.device, dynamic_shape: bool = False) -> None:
+        self.device = device
+        self.dynamic_shape = dynamic_shape
+        #: (peer, training) -> the description last exchanged
+        self._sent: dict[tuple[int, bool], MessageMeta] = {}
+        self._received: dict[tuple[int, bool], MessageMeta] = {}
+
+    def reset(self) -> None:
+        """Forget every cached description (both neighbours must reset too)."""
+        self._sent.clear()
+        self._received.clear()
+
+    # -- activations -------------------------------------------------------------------------
+    def send_activations(self, message: Any, dst: int, training: bool) -> None:
+        meta = MessageMeta.of(message)
+        key = (dst, training)
+        cached = self._sent.get(key)
+        if cached is None or self.dynamic_shape:
+            encoded = torch.tensor(meta.encode(), dtype=torch.int64, device=self.device)
+            comm.send(torch.tensor([encoded.numel()], device=self.device), dst)
+            comm.send(encoded, dst)
+            self._sent[key] = meta
+        elif cached != meta:
+            raise ActivationShapeError(
+                f"this stage's output changed from {cached} to {meta}, but the activation "
+                "shapes are cached; build the PipelineModule with dynamic_shape=True, or call "
+                "engine.reset_activation_shape() on every rank before the change"
+            )
+        tensors = message if isinstance(message, tuple) else (message,)
+        for tensor in tensors:
+            comm.send(tensor.detach().contiguous(), dst)
+
+    def recv_activations(self, src: int, training: bool) -> tuple[Any, MessageMeta]:
+        """The message from ``src`` (tensors that required grad there require grad here, as
+        leaves whose ``.grad`` goes back) and its description."""
+        key = (src, training)
+        meta = self._received.get(key)
+        if meta is None or self.dynamic_shape:
+            length = torch.zeros(1, dtype=torch.int64, device=self.device)
+            comm.recv(length, src)
+            encoded = torch.zeros(int(length.item()), dtype=torch.int64, device=self.device)
+            comm.recv(encoded, src)
+            meta = MessageMeta.decode(encoded.tolist())
+            self._received[key] = meta
+        tensors = []
+        for tensor_meta in meta.tensors:
+            tensor = torch.empty(tensor_meta.shape, dtype=tensor_meta.dtype, device=self.device)
+            comm.recv(tensor, src)
+            if tensor_meta.requires_grad and training:
+                tensor.requires_grad_()
+            tensors.append(tensor)
+        return (tuple(tensors) if meta.is_tuple else tensors[0]), meta
+
+    # -- gradients ---------------------------------------------------------------------------
+    def send_grads(self, grads: Sequence[torch.Tensor | None], meta: MessageMeta, dst: int) -> None:
+        """The gradients of the inputs that required grad (None: zeros), to the stage that
+        sent them."""
+        for grad, tensor_meta in zip(grads, meta.grad_metas, strict=True):
+            if grad is None:
+                grad = torch.zeros(tensor_meta.shape, dtype=tensor_meta.dtype, device=self.device)
+            comm.send(grad.contiguous(), dst)
+
+    def recv_grads(self, outputs: Any, src: int) -> list[torch.Tensor]:
+        """The gradients of this stage's ``outputs`` that require grad, from the next stage."""
+        tensors = outputs if isinstance(outputs, tuple) else (outputs,)
+        grads = []
+        for tensor in tensors:
+            if tensor.requires_grad:
+                grad = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+                comm.recv(grad, src)
+                grads.append(grad)
+        return grads
