@@ -135,6 +135,20 @@ class DeepSpeedConfig(RootConfig):
         """A deep copy of the config exactly as the user gave it."""
         return copy.deepcopy(self._raw)
 
+    def get(self, key: str, default: Any = None) -> Any:
+        """The user's value of top-level ``key`` (a copy), as on DeepSpeed's ``engine.config``.
+
+        DeepSpeed's engine keeps the config dict it was given as ``engine.config``; callers
+        such as the HF Trainer read it with ``engine.config.get("zero_optimization", {})``.
+        """
+        return copy.deepcopy(self._raw.get(key, default))
+
+    def __getitem__(self, key: str) -> Any:
+        return copy.deepcopy(self._raw[key])
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._raw
+
     @property
     def dp_world_size(self) -> int:
         """The data-parallel world size the batch triangle was solved with."""

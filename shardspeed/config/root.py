@@ -8,10 +8,11 @@ plain dicts, so later features can consume them.
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar
 
 import torch
-from pydantic import AliasChoices, Field, model_validator
+from pydantic import AliasChoices, Field, field_validator, model_validator
 
 from shardspeed.config.activation_checkpointing import DeepSpeedActivationCheckpointingConfig
 from shardspeed.config.aio import AioConfig
@@ -141,7 +142,7 @@ class RootConfig(DeepSpeedConfigModel):
 
     # logging, monitoring, profiling
     steps_per_print: int | None = Field(default=None, gt=0)
-    """Log progress every this many steps (None: never)."""
+    """Log progress every this many steps (None or infinity: never)."""
     wall_clock_breakdown: bool = False
     """Time forward, backward, reduction and step."""
     memory_breakdown: bool = False
@@ -214,6 +215,14 @@ class RootConfig(DeepSpeedConfigModel):
         data = dict(data)
         _legacy_zero_section(data)
         return data
+
+    @field_validator("steps_per_print", mode="before")
+    @classmethod
+    def _infinite_means_never(cls, value: Any) -> Any:
+        # Accelerate writes float("inf") to turn DeepSpeed's progress lines off
+        if isinstance(value, float) and math.isinf(value) and value > 0:
+            return None
+        return value
 
     @model_validator(mode="after")
     def _cross_section_checks(self) -> RootConfig:

@@ -419,6 +419,18 @@ class DeepSpeedEngine(nn.Module):
             self, save_dir, save_filename, exclude_frozen_parameters
         )
 
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """``zero_optimization.stage3_gather_16bit_weights_on_model_save``: whether a ZeRO-3
+        model's whole weights may be assembled for saving (Accelerate asks before it does)."""
+        return bool(self._config.zero_optimization.gather_16bit_weights_on_model_save)
+
+    def _zero3_consolidated_16bit_state_dict(
+        self, exclude_frozen_parameters: bool = False
+    ) -> dict[str, Any]:
+        """The whole module's weights in their training dtype, gathered (every rank calls it;
+        DeepSpeed's name, which Accelerate and the HF Trainer call to save a ZeRO-3 model)."""
+        return self.strategy.full_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
+
     def empty_partition_cache(self) -> None:
         """Free the ZeRO-3 parameters kept gathered between uses (the persistent small ones);
         they are gathered again when next used. Nothing to free at stages 0-2."""

@@ -9,11 +9,17 @@
   or, with ``modifier_rank``, to change them: that rank's values reach every rank's shards on
   exit). Parameters that are not partitioned pass through untouched, so the same code runs at
   every stage.
+* :func:`zero_wrapper_for_fp_tensor_constructor` and ``_orig_torch_arange``: DeepSpeed's names
+  for its tensor-constructor wrapping, which Hugging Face's ``prevent_arange_dtype_change``
+  swaps out around ``zero.Init``. shardspeed's ``zero.Init`` does not wrap constructors (it
+  casts parameters when it partitions them, buffers keep the dtype they were built with), so
+  the swap changes nothing here; the names exist so that code runs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import functools
+from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -33,7 +39,31 @@ __all__ = [
     "publish",
     "register_external_parameter",
     "unregister_external_parameter",
+    "zero_wrapper_for_fp_tensor_constructor",
 ]
+
+#: ``torch.arange`` as it was when shardspeed was imported (DeepSpeed's name)
+_orig_torch_arange = torch.arange
+
+
+def zero_wrapper_for_fp_tensor_constructor(
+    fn: Callable[..., torch.Tensor],
+    target_fp_dtype: torch.dtype,
+    target_device: torch.device | str | None = None,
+) -> Callable[..., torch.Tensor]:
+    """``fn`` (a tensor constructor) made to build on ``target_device`` unless a device is
+    given, with floating-point results cast to ``target_fp_dtype`` (DeepSpeed's helper)."""
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if kwargs.get("device") is None and target_device is not None:
+            kwargs["device"] = target_device
+        tensor = fn(*args, **kwargs)
+        if tensor.is_floating_point():
+            tensor = tensor.to(target_fp_dtype)
+        return tensor
+
+    return wrapped
 
 
 def _as_list(params: Any) -> list[torch.Tensor]:
