@@ -228,16 +228,24 @@ class PipelineEngine(DeepSpeedEngine):
         self._batch.reverse()
 
     def _agree_no_error(self, where: str) -> None:
-        """Every rank learns whether any rank hit an error; all raise together if one did."""
+        """Every rank learns whether any rank hit an error (one small all-reduce); if one did,
+        every rank raises with the failing ranks' messages."""
         flag = torch.tensor([1.0 if self._error else 0.0], device=self.device)
         if comm.get_world_size() > 1:
             comm.all_reduce(flag, op=comm.ReduceOp.MAX)
-        if flag.item() > 0:
-            mine, self._error = self._error, None
-            raise PipelineError(
-                f"pipeline stage {self.stage_id} (rank {self.global_rank}), {where}: "
-                + (mine or "another stage failed (see its message); stopped on every rank")
-            )
+        if flag.item() == 0:
+            return
+        messages: list[Any] = [self._error]
+        if comm.get_world_size() > 1:
+            messages = [None] * comm.get_world_size()
+            comm.all_gather_object(messages, self._error)
+        self._error = None
+        found = "; ".join(
+            f"rank {rank}: {message}" for rank, message in enumerate(messages) if message
+        )
+        raise PipelineError(
+            f"{where} stopped on every rank (this is stage {self.stage_id}): {found}"
+        )
 
     # -- the executor -----------------------------------------------------------------------
     def _reset_buffers(self, count: int) -> None:

@@ -100,3 +100,111 @@ def train_parity(
 
 def world() -> int:
     return dist.get_world_size()
+
+
+def activation_memory(micro_batches: int = 8) -> dict[str, int]:
+    """The peak number of micro-batches whose activations are alive at once on this stage
+    (weak references to each forward's outputs), over a batch of ``micro_batches``."""
+    reference = Reference()
+    module = pipeline_from(reference, 2)
+    engine, *_ = shardspeed.initialize(model=module, config=config(1, micro_batches))
+    data = synthetic_tokens(micro_batches, TINY, seed=1)
+    batches = Batches(data, 1, micro_batches, 1, 0)
+    engine.train_batch(iter(batches.step(0)))
+    from shardspeed.runtime.pipe.schedule import TrainSchedule
+
+    buffers = TrainSchedule(micro_batches, 2, module.stage_id).num_pipe_buffers()
+    result = {"peak": engine.activation_meter.peak, "buffers": buffers, "alive_after": 0}
+    result["alive_after"] = engine.activation_meter.alive()
+    engine.destroy()
+    return result
+
+
+def eval_matches_reference() -> None:
+    """eval_batch: the mean loss (on every stage) and the last micro-batch's logits (last
+    stage) equal the single-process model's; reduce_output=None gives each micro-batch's."""
+    reference = Reference()
+    module = pipeline_from(copy.deepcopy(reference), 2)
+    micro, gas = 2, 3
+    engine, *_ = shardspeed.initialize(model=module, config=config(micro, gas))
+    data = synthetic_tokens(micro * gas, TINY, seed=2)
+    batches = Batches(data, micro, gas, 1, 0)
+    loss, logits = engine.eval_batch(iter(batches.step(0)), return_logits=True)
+    tokens, targets = batches.global_batch(0)
+    with torch.no_grad():
+        expected_logits = reference(tokens)
+        expected = loss_fn(expected_logits, targets)
+    assert_close(loss, expected, "eval loss", 1e-5, 1e-6)
+    if engine.is_last_stage():
+        assert_close(logits, expected_logits[-micro:], "eval logits", 1e-5, 1e-6)
+    else:
+        assert logits is None
+    per_micro = engine.eval_batch(iter(batches.step(0)), reduce_output=None, num_micro_batches=2)
+    if engine.is_last_stage():
+        assert len(per_micro) == 2
+        first = loss_fn(expected_logits[:micro], targets[:micro])
+        assert_close(per_micro[0], first, "first micro-batch loss", 1e-5, 1e-6)
+    # evaluation left training as it was, and a training step still matches after it
+    assert engine.module.training
+    engine.train_batch(iter(batches.step(0)))
+    engine.destroy()
+
+
+def _raises(fn: Any, error: type[BaseException], match: str) -> str:
+    try:
+        fn()
+    except error as caught:
+        assert match in str(caught), f"{match!r} not in {caught!r}"
+        return str(caught)
+    raise AssertionError(f"{fn} did not raise {error.__name__}")
+
+
+def errors_are_clear_everywhere() -> None:
+    """Each mistake raises a message naming the fix, on every rank, and nothing hangs."""
+    from shardspeed.pipe import LayerSpec, PipelineError, PipelineModule
+
+    _raises(
+        lambda: PipelineModule([torch.nn.Linear(2, 2)] * 3, num_stages=3),
+        ValueError,
+        "not divisible",
+    )
+    _raises(
+        lambda: PipelineModule([LayerSpec(torch.nn.Linear, 2, 2)], num_stages=2),
+        ValueError,
+        "every stage needs at least one layer",
+    )
+    _raises(lambda: PipelineModule([torch.nn.Linear(2, 2)] * 2), ValueError, "num_stages=")
+    _raises(
+        lambda: PipelineModule(
+            [torch.nn.Linear(2, 2)] * 2, num_stages=2, partition_method="profile"
+        ),
+        NotImplementedError,
+        "profile",
+    )
+    _raises(
+        lambda: shardspeed.initialize(
+            model=pipeline_from(Reference(), 2), config=config(1, 2, zero_optimization={"stage": 2})
+        ),
+        ValueError,
+        "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism",
+    )
+    engine, *_ = shardspeed.initialize(model=pipeline_from(Reference(), 2), config=config(2, 4))
+    data = synthetic_tokens(16, TINY, seed=3)
+    batches = Batches(data, 2, 4, 1, 0)
+    # a data iterator that runs dry mid-batch: every rank raises, naming the fix
+    _raises(lambda: engine.train_batch(iter(batches.step(0)[:2])), PipelineError, "ran dry")
+    for verb in (engine.forward, engine.backward, engine.step):
+        _raises(lambda verb=verb: verb(None), PipelineError, "Only train_batch()")
+    with torch.no_grad():
+        _raises(lambda: engine.train_batch(iter(batches.step(0))), PipelineError, "eval_batch")
+    loss = engine.train_batch(iter(batches.step(0)))  # still usable after the errors
+    assert torch.isfinite(loss)
+    engine.destroy()
+    # no loss_fn and a last stage whose output is not a loss: caught after the schedule
+    module = pipeline_from(Reference(), 2)
+    module.loss_fn = None
+    engine, *_ = shardspeed.initialize(model=module, config=config(2, 4))
+    before = [p.detach().clone() for p in module.parameters()]
+    _raises(lambda: engine.train_batch(iter(batches.step(0))), PipelineError, "loss_fn")
+    assert all(torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))
+    engine.destroy()
