@@ -4,8 +4,9 @@ DeepSpeed wraps the optimizer in a different class per mode; shardspeed has one 
 :class:`~shardspeed.runtime.zero.optimizer.ZeroOptimizer`, for every mode. These names answer
 ``isinstance(engine.optimizer, X)`` as DeepSpeed's engine would have chosen X for the same
 config: without ZeRO (stage 0), bf16 gives ``BF16_Optimizer``; fp16 gives ``FP16_Optimizer``
-over a ``FusedAdam`` and ``FP16_UnfusedOptimizer`` over any other optimizer. They are not built
-directly: ``shardspeed.initialize`` builds the wrapper.
+over a ``FusedAdam`` and ``FP16_UnfusedOptimizer`` over any other optimizer; ZeRO stages 1-2 give
+``DeepSpeedZeroOptimizer`` and stage 3 ``DeepSpeedZeroOptimizer_Stage3`` (whatever the precision).
+They are not built directly: ``shardspeed.initialize`` builds the wrapper.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ class _WrapperKind(ABCMeta):
     def __instancecheck__(cls, instance: Any) -> bool:
         from shardspeed.runtime.zero.optimizer import ZeroOptimizer
 
-        if not isinstance(instance, ZeroOptimizer) or instance.strategy.stage != 0:
+        stages = cls.__dict__.get("_stages", (0,))
+        if not isinstance(instance, ZeroOptimizer) or int(instance.strategy.stage) not in stages:
             return False
         matches = cls.__dict__.get("_matches")
         return bool(matches is not None and matches(instance))
@@ -70,3 +72,22 @@ class FP16_UnfusedOptimizer(_DeepSpeedWrapperName):  # noqa: N801 - DeepSpeed's 
         return bool(_precision(optimizer).fp16_enabled) and not isinstance(
             optimizer.optimizer, FusedAdam
         )
+
+
+def _any(optimizer: Any) -> bool:
+    del optimizer
+    return True
+
+
+class DeepSpeedZeroOptimizer(_DeepSpeedWrapperName):
+    """ZeRO stages 1 and 2 (``deepspeed.runtime.zero.stage_1_and_2``)."""
+
+    _stages = (1, 2)
+    _matches = staticmethod(_any)
+
+
+class DeepSpeedZeroOptimizer_Stage3(_DeepSpeedWrapperName):  # noqa: N801 - DeepSpeed's class name
+    """ZeRO stage 3 (``deepspeed.runtime.zero.stage3``)."""
+
+    _stages = (3,)
+    _matches = staticmethod(_any)

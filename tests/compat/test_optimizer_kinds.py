@@ -9,9 +9,17 @@ import shardspeed
 from shardspeed.runtime.bf16_optimizer import BF16_Optimizer
 from shardspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
 from shardspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+from shardspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+from shardspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from tests.runtime.parity import MLP
 
-KINDS = (BF16_Optimizer, FP16_Optimizer, FP16_UnfusedOptimizer)
+KINDS = (
+    BF16_Optimizer,
+    FP16_Optimizer,
+    FP16_UnfusedOptimizer,
+    DeepSpeedZeroOptimizer,
+    DeepSpeedZeroOptimizer_Stage3,
+)
 
 
 def _kinds_of(precision: str, stage: int, optimizer: str) -> list[str]:
@@ -34,6 +42,7 @@ def _all_cases() -> list[list[str]]:
         _kinds_of("fp16", 0, "Lamb"),
         _kinds_of("bf16", 1, "Adam"),
         _kinds_of("fp16", 2, "Adam"),
+        _kinds_of("bf16", 3, "Adam"),
     ]
 
 
@@ -42,8 +51,9 @@ def test_isinstance_follows_deepspeeds_choice(dist_pool) -> None:
         ["BF16_Optimizer"],
         ["FP16_Optimizer"],
         ["FP16_UnfusedOptimizer"],
-        [],  # ZeRO stages 1-2: DeepSpeed's DeepSpeedZeroOptimizer, none of these
-        [],
+        ["DeepSpeedZeroOptimizer"],  # ZeRO stages 1-2, whatever the precision
+        ["DeepSpeedZeroOptimizer"],
+        ["DeepSpeedZeroOptimizer_Stage3"],
     ]
     assert dist_pool(2).run(_all_cases) == [expected, expected]
 
@@ -57,3 +67,5 @@ def test_names_are_not_built_directly() -> None:
     assert issubclass(BF16_Optimizer, BF16_Optimizer) and not issubclass(
         FP16_Optimizer, BF16_Optimizer
     )
+    with pytest.raises(TypeError, match="shardspeed.initialize builds the wrapper"):
+        DeepSpeedZeroOptimizer_Stage3()
