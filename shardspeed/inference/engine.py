@@ -21,7 +21,6 @@ from shardspeed.inference.quantization import quantize_module
 from shardspeed.inference.tp_group import TPGroup, resolve_tp_group
 from shardspeed.inference.tp_plan import build_plan
 from shardspeed.inference.weight_source import ModuleWeights, WeightSource, open_checkpoint
-from shardspeed.utils.logging import log_dist
 
 __all__ = ["InferenceEngine"]
 
@@ -138,11 +137,4 @@ def _build_fused(
 ) -> Any:
     from shardspeed.inference.fused.builder import build_fused_decoder
 
-    fused = build_fused_decoder(model, config, tp, dtype)
-    if fused is None:
-        log_dist(
-            f"replace_with_kernel_inject: {type(model).__name__} has no fused decoder; "
-            "running AutoTP only",
-            ranks=[0],
-        )
-    return fused
+    return build_fused_decoder(model, config, tp, dtype)

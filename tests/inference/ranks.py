@@ -102,3 +102,21 @@ def int8_under_tp(family: str) -> dict[str, float]:
         models.build(family), tensor_parallel={"tp_size": comm.get_world_size()}, dtype=torch.int8
     )
     return quality(reference, engine, family)
+
+
+def fused_tp_tokens(families: list[str]) -> dict[str, bool]:
+    """Fused decoding sharded over the world: 32 greedy tokens equal single-process HF eager."""
+    ids = models.prompt()
+    equal = {}
+    for family in families:
+        want = models.greedy(models.build(family, attn_implementation="eager"), ids)
+        engine = shardspeed.init_inference(
+            models.build(family),
+            tensor_parallel={"tp_size": comm.get_world_size()},
+            dtype=torch.float32,
+            replace_with_kernel_inject=True,
+            max_out_tokens=64,
+        )
+        assert engine.fused is not None
+        equal[family] = torch.equal(models.greedy(engine, ids), want)
+    return equal

@@ -1,0 +1,154 @@
+"""``FusedCausalLM``: embeddings, fused blocks, final norm and head over one static KV cache,
+with greedy generation that runs the prompt once and then one token per step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardspeed.inference.fused.attention import Rope
+from shardspeed.inference.fused.kv_cache import StaticKVCache
+
+__all__ = ["CacheShape", "FusedCausalLM"]
+
+# generate() arguments the fused loop honours; anything else goes to Hugging Face's generate
+_ACCEPTED = frozenset(
+    {
+        "input_ids",
+        "attention_mask",
+        "max_new_tokens",
+        "min_new_tokens",
+        "max_length",
+        "eos_token_id",
+        "pad_token_id",
+        "do_sample",
+        "num_beams",
+        "use_cache",
+    }
+)
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    """What one rank's KV cache holds per token: layers x kv heads x head_dim."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    capacity: int
+
+
+class FusedCausalLM(nn.Module):
+    """A causal LM over fused blocks; the modules are the (sharded, quantized) model's own."""
+
+    def __init__(
+        self,
+        embed: nn.Module,
+        blocks: list[nn.Module],
+        norm: nn.Module,
+        head: nn.Module,
+        cache_shape: CacheShape,
+        generation_config: Any,
+        dtype: torch.dtype,
+        positions: nn.Module | None = None,
+        rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        super().__init__()
+        self.embed, self.positions, self.norm, self.head = embed, positions, norm, head
+        self.blocks = nn.ModuleList(blocks)
+        self.cache_shape = cache_shape
+        self.generation_config = generation_config
+        self.rope_tables = rope_tables
+        self.dtype = dtype
+        self._cache: StaticKVCache | None = None
+
+    def cache_for(self, batch: int, dtype: torch.dtype, device: torch.device) -> StaticKVCache:
+        """The static cache for ``batch`` sequences, allocated on first use of that batch size."""
+        shape = self.cache_shape
+        if self._cache is None or not self._cache.fits(batch, shape.capacity, dtype):
+            self._cache = None  # free the old one before allocating
+            self._cache = StaticKVCache(
+                shape.layers, batch, shape.kv_heads, shape.capacity, shape.head_dim, dtype, device
+            )
+        return self._cache
+
+    def forward(
+        self, ids: torch.Tensor, cache: StaticKVCache, start: int, all_logits: bool = False
+    ) -> torch.Tensor:
+        """Logits for ``ids`` at positions ``start ...`` (the last position only unless
+        ``all_logits``), writing their keys and values into ``cache``."""
+        tokens = ids.shape[1]
+        x = self.embed(ids)
+        if self.positions is not None:
+            x = x + self.positions(torch.arange(start, start + tokens, device=ids.device))
+        rope: Rope = None
+        if self.rope_tables is not None:
+            cos, sin = self.rope_tables
+            rope = (cos[:, start : start + tokens], sin[:, start : start + tokens])
+        for block in self.blocks:
+            x = block(x, cache, start, rope)
+        x = x if all_logits else x[:, -1:]
+        logits: torch.Tensor = self.head(self.norm(x))
+        return logits if all_logits else logits[:, -1]
+
+    def accepts(self, *inputs: Any, **kwargs: Any) -> bool:
+        """Whether a ``generate`` call is greedy decoding this loop runs exactly."""
+        if len(inputs) > 1 or not set(kwargs) <= _ACCEPTED:
+            return False
+        ids = inputs[0] if inputs else kwargs.get("input_ids")
+        mask = kwargs.get("attention_mask")
+        return (
+            isinstance(ids, torch.Tensor)
+            and ids.dim() == 2
+            and not kwargs.get("do_sample")
+            and kwargs.get("num_beams") in (None, 1)
+            and (mask is None or bool(mask.all()))
+        )
+
+    @torch.no_grad()
+    def generate(self, *inputs: Any, **kwargs: Any) -> torch.Tensor:
+        """Greedy decoding as Hugging Face's ``generate`` does it: prompt and new tokens."""
+        ids: torch.Tensor = inputs[0] if inputs else kwargs["input_ids"]
+        batch, prompt = ids.shape
+        new, minimum, eos, pad = self._limits(prompt, kwargs, ids.device)
+        if prompt + new > self.cache_shape.capacity:
+            raise ValueError(
+                f"{prompt} prompt + {new} new tokens exceed max_out_tokens="
+                f"{self.cache_shape.capacity}; raise max_out_tokens in the inference config."
+            )
+        cache = self.cache_for(batch, self.dtype, ids.device)
+        logits = self(ids, cache, 0)
+        done = torch.zeros(batch, dtype=torch.bool, device=ids.device)
+        out = []
+        for step in range(new):
+            if eos is not None and step < minimum:
+                logits[:, eos] = float("-inf")
+            token = logits.argmax(dim=-1)
+            if eos is not None:
+                token = torch.where(done, torch.full_like(token, pad), token)
+                done |= torch.isin(token, eos)
+            out.append(token)
+            if (eos is not None and bool(done.all())) or step + 1 == new:
+                break
+            logits = self(token[:, None], cache, prompt + step)
+        return torch.cat([ids, torch.stack(out, dim=1)], dim=1)
+
+    def _limits(
+        self, prompt: int, kwargs: dict[str, Any], device: torch.device
+    ) -> tuple[int, int, torch.Tensor | None, int]:
+        config = self.generation_config
+        new = kwargs.get("max_new_tokens")
+        if new is None:
+            max_length = kwargs.get("max_length") or getattr(config, "max_length", None) or 20
+            new = getattr(config, "max_new_tokens", None) if "max_length" not in kwargs else None
+            new = new if new is not None else max(max_length - prompt, 0)
+        minimum = kwargs.get("min_new_tokens") or getattr(config, "min_new_tokens", None) or 0
+        eos = kwargs.get("eos_token_id", getattr(config, "eos_token_id", None))
+        pad = kwargs.get("pad_token_id", getattr(config, "pad_token_id", None))
+        if eos is None:
+            return new, minimum, None, 0
+        eos_ids = torch.tensor([eos] if isinstance(eos, int) else list(eos), device=device)
+        return new, minimum, eos_ids, int(pad if pad is not None else eos_ids[0])
