@@ -58,6 +58,7 @@ def strategy_context(
         data_parallel=dp,
         device=device,
         zero_config=zero,
+        aio=config.aio,
         allow_untested_optimizer=bool(config.zero_allow_untested_optimizer),
         grad_accum_dtype=config.data_types.grad_accum_dtype,
     )

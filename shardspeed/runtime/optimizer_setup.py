@@ -8,31 +8,57 @@ from typing import Any
 
 import torch
 
+from shardspeed.ops.adagrad import DeepSpeedCPUAdagrad
+from shardspeed.ops.adam import DeepSpeedCPUAdam
 from shardspeed.ops.factory import build_optimizer
+from shardspeed.ops.lion import DeepSpeedCPULion
 from shardspeed.runtime.lr_schedules import scheduler_from_config
+from shardspeed.runtime.zero.offload import OptimizerOffload
+from shardspeed.runtime.zero.utils import ZeRORuntimeException
 from shardspeed.utils.logging import log_dist
+
+#: the optimizers written to step in host memory (ZeRO-Offload)
+_CPU_KINDS = (DeepSpeedCPUAdam, DeepSpeedCPUAdagrad, DeepSpeedCPULion)
 
 
 def build_basic_optimizer(
     client_optimizer: Any, model_parameters: Iterable[Any], config: Any
 ) -> torch.optim.Optimizer | None:
-    """The torch optimizer the ZeRO strategy will drive (None for an inference-only engine)."""
+    """The torch optimizer the ZeRO strategy will drive (None for an inference-only engine).
+    Under ZeRO-Offload the config's Adam, Adagrad and Lion are the CPU versions, and a client
+    optimizer must be one of those unless ``zero_force_ds_cpu_optimizer`` is false."""
+    offload = OptimizerOffload.from_config(config.zero_optimization).enabled
     if client_optimizer is not None:
         if config.optimizer is not None:
             log_dist(
                 "client optimizer given to initialize(); ignoring the config's 'optimizer'", [0]
             )
         if isinstance(client_optimizer, torch.optim.Optimizer):
-            return client_optimizer
-        if callable(client_optimizer):
-            return client_optimizer(model_parameters)
-        raise TypeError(
-            "initialize(optimizer=...) must be a torch.optim.Optimizer or a callable that takes the "
-            f"model parameters and returns one; got {type(client_optimizer).__name__}"
-        )
+            built = client_optimizer
+        elif callable(client_optimizer):
+            built = client_optimizer(model_parameters)
+        else:
+            raise TypeError(
+                "initialize(optimizer=...) must be a torch.optim.Optimizer or a callable that "
+                f"takes the model parameters and returns one; got {type(client_optimizer).__name__}"
+            )
+        if offload and config.zero_force_ds_cpu_optimizer and not isinstance(built, _CPU_KINDS):
+            raise ZeRORuntimeException(
+                f"ZeRO-Offload steps the optimizer in host memory, and the client optimizer "
+                f"{type(built).__name__} is not one written for that (it would be slow): pass "
+                "shardspeed.ops.adam.DeepSpeedCPUAdam (or DeepSpeedCPUAdagrad, DeepSpeedCPULion), "
+                "name the optimizer in the config's 'optimizer' section, or set "
+                '"zero_force_ds_cpu_optimizer": false to use it anyway'
+            )
+        return built
     if config.optimizer is None:
         return None
-    return build_optimizer(config.optimizer.type, model_parameters, dict(config.optimizer.params))
+    return build_optimizer(
+        config.optimizer.type,
+        model_parameters,
+        dict(config.optimizer.params),
+        cpu_offload=offload,
+    )
 
 
 def build_lr_scheduler(client_scheduler: Any, config: Any, optimizer: Any) -> Any:

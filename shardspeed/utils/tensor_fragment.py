@@ -15,8 +15,9 @@ boundary) and before ``step``; master weights and optimizer state at any time af
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -33,6 +34,23 @@ def _fragment(param: nn.Parameter) -> ParamFragment | None:
 
     strategy = strategy_of(param)
     return None if strategy is None else strategy.param_fragment(param)
+
+
+def _state_resident(function: Callable[..., Any]) -> Callable[..., Any]:
+    """Run ``function(param, ...)`` with the optimizer state of ``param``'s engine in memory
+    (NVMe offload keeps it in files between steps)."""
+
+    @functools.wraps(function)
+    def wrapped(param: nn.Parameter, *args: Any, **kwargs: Any) -> Any:
+        from shardspeed.runtime.zero.strategy import strategy_of
+
+        strategy = strategy_of(param)
+        if strategy is None:
+            return function(param, *args, **kwargs)
+        with strategy.optimizer_state_resident():
+            return function(param, *args, **kwargs)
+
+    return wrapped
 
 
 def _state_piece(param: nn.Parameter, key: str) -> tuple[ParamFragment, Tensor] | None:
@@ -94,6 +112,7 @@ def safe_get_full_grad(param: nn.Parameter) -> Tensor | None:
     return None if fragment is None else _assemble(param, fragment, _grad_piece(param, fragment))
 
 
+@_state_resident
 def safe_get_full_optimizer_state(param: nn.Parameter, optim_state_key: str) -> Tensor | None:
     """The full fp32 optimizer state ``optim_state_key`` (e.g. ``"exp_avg"``) of ``param``."""
     found = _state_piece(param, optim_state_key)
@@ -131,6 +150,7 @@ def _write_model_weight(param: nn.Parameter, value: Tensor, fragment: ParamFragm
 
 
 @torch.no_grad()
+@_state_resident
 def safe_set_full_optimizer_state(param: nn.Parameter, value: Tensor, optim_state_key: str) -> None:
     """Set optimizer state ``optim_state_key`` of ``param`` from its full value."""
     found = _state_piece(param, optim_state_key)
@@ -176,6 +196,7 @@ def safe_get_local_grad(param: nn.Parameter) -> Tensor | None:
     return None if fragment is None else _local(param, fragment, _grad_piece(param, fragment))
 
 
+@_state_resident
 def safe_get_local_optimizer_state(param: nn.Parameter, optim_state_key: str) -> Tensor | None:
     """This rank's piece of optimizer state ``optim_state_key`` of ``param``."""
     found = _state_piece(param, optim_state_key)
@@ -199,6 +220,7 @@ def safe_set_local_grad(param: nn.Parameter, value: Tensor) -> None:
 
 
 @torch.no_grad()
+@_state_resident
 def safe_set_local_optimizer_state(
     param: nn.Parameter, value: Tensor, optim_state_key: str
 ) -> None:

@@ -7,7 +7,7 @@ the new values go master -> model. ZeRO stage 0 uses this as is; later stages pa
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -29,16 +29,22 @@ class MasterWeights:
         params: Iterable[Tensor],
         enabled: bool = True,
         master_dtype: torch.dtype = torch.float32,
+        devices: Sequence[torch.device] | None = None,
     ) -> None:
         # A tied parameter listed twice must get one master, or the two copies would drift apart;
         # tensors hash by identity, so this keeps the first occurrence of each.
         self.model_params: list[Tensor] = list(dict.fromkeys(params))
         self.enabled = enabled
         if enabled:
-            # Plain leaves that autograd never touches: only the optimizer writes them.
+            where = devices or [p.device for p in self.model_params]
+            # Plain leaves that autograd never touches: only the optimizer writes them. With
+            # ``devices`` given, a parameter already in the master dtype on its master's device
+            # is its own master (no copy).
             self.master_params: list[Tensor] = [
-                p.detach().to(master_dtype, copy=True).requires_grad_(False)
-                for p in self.model_params
+                p
+                if devices is not None and p.dtype == master_dtype and p.device == device
+                else p.detach().to(device, master_dtype, copy=True).requires_grad_(False)
+                for p, device in zip(self.model_params, where, strict=True)
             ]
         else:
             self.master_params = self.model_params
@@ -88,7 +94,14 @@ class MasterWeights:
     def copy_master_to_model(self) -> None:
         """Cast the masters' values back into the model parameters, in place."""
         if self.enabled and self.model_params:
-            torch._foreach_copy_(self.model_params, self.master_params)
+            pairs = [
+                (model, master)
+                for model, master in zip(self.model_params, self.master_params, strict=True)
+                if model is not master
+            ]
+            if pairs:
+                models, masters = zip(*pairs, strict=True)
+                torch._foreach_copy_(list(models), list(masters))
 
     def rebind_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Make ``optimizer`` step the masters instead of the model parameters it was built on.

@@ -48,9 +48,18 @@ def partitioned_squares(
     """The squares of this rank's pieces of gradients split over ``group``."""
     squares = torch.zeros((), dtype=torch.float64, device=device)
     if grads:
-        norms = torch.stack([n.double() for n in torch._foreach_norm(list(grads), 2.0)])
-        squares = norms.square().sum()
+        # per device: offloaded masters' gradients sit in host memory, the rest on the device
+        for on_device in _by_device(grads).values():
+            norms = torch.stack([n.double() for n in torch._foreach_norm(on_device, 2.0)])
+            squares = squares + norms.square().sum().to(device)
     return GradSquares(squares, group if group.partitioned else None)
+
+
+def _by_device(tensors: Sequence[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
+    found: dict[torch.device, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        found.setdefault(tensor.device, []).append(tensor)
+    return found
 
 
 class GradNormReducer:

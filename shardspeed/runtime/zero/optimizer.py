@@ -88,16 +88,34 @@ class ZeroOptimizer(DeepSpeedOptimizer):
         return None if norm is None else float(norm)
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "optimizer": self.optimizer.state_dict(),
-            "loss_scaler": self.loss_scaler.state_dict(),
-            "strategy": self.strategy.state_dict(),
-        }
+        with self.strategy.optimizer_state_resident():  # NVMe offload: read back, then copy
+            optimizer = _copied(self.optimizer.state_dict()) if self.strategy.stepper.swap else None
+            return {
+                "optimizer": optimizer or self.optimizer.state_dict(),
+                "loss_scaler": self.loss_scaler.state_dict(),
+                "strategy": self.strategy.state_dict(),
+            }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state_dict["optimizer"])
+        self.strategy.optimizer_state_replaced()
         self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
         self.strategy.load_state_dict(state_dict["strategy"])
 
     def __repr__(self) -> str:
         return f"ZeroOptimizer(stage={self.strategy.stage}, optimizer={self.optimizer!r})"
+
+
+def _copied(state: dict[str, Any]) -> dict[str, Any]:
+    """A torch optimizer state dict whose state tensors are copies (the originals give their
+    memory back to the NVMe swap after the caller's block)."""
+    return {
+        **state,
+        "state": {
+            key: {
+                name: value.clone() if isinstance(value, torch.Tensor) else value
+                for name, value in entry.items()
+            }
+            for key, entry in state["state"].items()
+        },
+    }

@@ -31,7 +31,7 @@ import torch
 from shardspeed import comm
 from shardspeed.checkpoint.layout import BucketLayout, layouts_match
 from shardspeed.runtime.precision.master_weights import MasterWeights
-from shardspeed.runtime.precision.overflow import unscale_
+from shardspeed.runtime.precision.overflow import has_inf_or_nan, unscale_
 from shardspeed.runtime.zero.buckets import GradBucket, GradientBuckets
 from shardspeed.runtime.zero.flat_params import FlatParams
 from shardspeed.runtime.zero.grad_norm import GradSquares, partitioned_squares
@@ -160,11 +160,16 @@ class PartitionedGroup(ShardGroup):
 
     def build_masters(self) -> MasterWeights:
         """One stepped tensor per bucket: this rank's chunk of the parameters itself when they
-        are in the master dtype, else an fp32 copy of it."""
+        are in the master dtype on the master's device (the placement's), else an fp32 copy of
+        it there (host memory under ZeRO-Offload)."""
         chunks = [self._param_chunk(b.index) for b in self.buckets.buckets]
         master_dtype = self.options.precision.master_dtype
-        copies = any(chunk.dtype != master_dtype for chunk in chunks)
-        return MasterWeights(chunks, enabled=copies, master_dtype=master_dtype)
+        devices = self.placement.master_devices([chunk.numel() for chunk in chunks])
+        copies = any(
+            chunk.dtype != master_dtype or chunk.device != device
+            for chunk, device in zip(chunks, devices, strict=True)
+        )
+        return MasterWeights(chunks, enabled=copies, master_dtype=master_dtype, devices=devices)
 
     @property
     def master_chunks(self) -> list[torch.Tensor]:
@@ -245,12 +250,16 @@ class PartitionedGroup(ShardGroup):
             )
         for master, grad in zip(self.master_chunks, self.grad_chunks, strict=True):
             assert grad is not None  # a reducing backward launched every bucket
-            # the chunk itself, or an fp32 copy of it (zero_grad drops either)
-            master.grad = grad.to(master.dtype)
+            # the chunk itself, or an fp32 copy of it on the master's device (zero_grad drops
+            # either)
+            master.grad = grad.to(master.device, master.dtype)
         unscale_(self.step_grads(), inv_loss_scale)
 
     def grad_squares(self) -> GradSquares:
         return partitioned_squares(self.step_grads(), self.placement.device, self.comm)
+
+    def local_overflow(self) -> torch.Tensor:
+        return has_inf_or_nan(self.step_grads(), self.placement.device)
 
     @torch.no_grad()
     def after_step(self) -> None:

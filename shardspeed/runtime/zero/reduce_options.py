@@ -44,8 +44,11 @@ def comm_source(
 
 def scale_grads_(grads: list[torch.Tensor], coef: torch.Tensor) -> None:
     """Multiply every gradient in ``grads`` by the 0-dim ``coef`` in place (clipping)."""
-    if grads:
-        torch._foreach_mul_(grads, coef.to(grads[0].device))
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for grad in grads:  # offloaded masters' gradients sit in host memory
+        by_device.setdefault(grad.device, []).append(grad)
+    for device, on_device in by_device.items():
+        torch._foreach_mul_(on_device, coef.to(device))
 
 
 def accumulation_dtype(

@@ -6,6 +6,7 @@ from typing import Any
 
 from torch import nn
 
+from shardspeed.runtime.zero.offload import OptimizerOffload
 from shardspeed.runtime.zero.partitioned import (
     GradientPartitionStrategy,
     OptimizerStateStrategy,
@@ -69,14 +70,7 @@ def check_zero_config(zero: Any) -> None:
             f'zero_optimization.offload_param.device="{param_device}" is not yet supported in '
             'shardspeed; remove offload_param or set its device to "none"'
         )
-    offload = getattr(zero, "offload_optimizer", None)
-    device = getattr(getattr(offload, "device", None), "value", "none")
-    if offload is not None and device != "none" and int(zero.stage) > 0:
-        raise NotImplementedError(
-            f'zero_optimization.offload_optimizer.device="{device}" is not yet supported in '
-            f"shardspeed (ZeRO stage {int(zero.stage)}); remove offload_optimizer or set its "
-            'device to "none"'
-        )
+    OptimizerOffload.from_config(zero).check(int(zero.stage))
 
 
 def build_strategy(module: nn.Module, ctx: StrategyContext) -> ZeroStrategy:

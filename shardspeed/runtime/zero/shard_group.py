@@ -121,6 +121,12 @@ class ShardGroup(ABC):
     def prepare_step(self, inv_loss_scale: float) -> None:
         """Make this rank's gradients ready for the update (master dtype, unscaled)."""
 
+    def offloaded_masters(self) -> list[torch.Tensor]:
+        """The masters ZeRO-Offload keeps off the device (NVMe offload swaps their state)."""
+        masters = self.masters.master_params
+        chosen = self.placement.offloaded([m.numel() for m in masters])
+        return [m for m, offloaded in zip(masters, chosen, strict=True) if offloaded]
+
     def step_grads(self) -> list[torch.Tensor]:
         """The gradients the optimizer will use."""
         return [m.grad for m in self.masters.master_params if m.grad is not None]

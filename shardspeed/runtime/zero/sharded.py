@@ -44,26 +44,6 @@ from shardspeed.utils.leaf_modules import (
 from shardspeed.utils.logging import log_dist
 
 
-def _sub_groups(
-    groups: list[list[torch.Tensor]], size: int
-) -> list[tuple[int, list[torch.Tensor]]]:
-    """(optimizer group index, tensors) runs of at most ``size`` elements (a larger tensor
-    alone), in order."""
-    runs: list[tuple[int, list[torch.Tensor]]] = []
-    for index, tensors in enumerate(groups):
-        run: list[torch.Tensor] = []
-        numel = 0
-        for tensor in tensors:
-            if run and numel + tensor.numel() > size:
-                runs.append((index, run))
-                run, numel = [], 0
-            run.append(tensor)
-            numel += tensor.numel()
-        if run:
-            runs.append((index, run))
-    return runs
-
-
 def mark_configured_leaves(module: nn.Module, leaf: Any) -> None:
     """Apply ``zero_optimization.leaf_module`` (classes absent from the model are fine: the
     defaults name Hugging Face MoE blocks; names and suffixes must match something)."""
@@ -184,29 +164,6 @@ class ParamPartitionStrategy(PartitionedStrategy):
 
     def empty_partition_cache(self) -> None:
         self.sharding.empty_cache()
-
-    def optimizer_step(self) -> None:
-        """Step the optimizer ``sub_group_size`` elements at a time (DeepSpeed's sub-groups:
-        the optimizer's temporaries then cover one sub-group, not every shard at once), then
-        bring the parameters up to date."""
-        assert self.optimizer is not None, "bind_optimizer() first"
-        size = int(getattr(self.ctx.zero_config, "sub_group_size", 0) or 0)
-        groups = self.optimizer.param_groups
-        everything = [list(group["params"]) for group in groups]
-        total = sum(t.numel() for params in everything for t in params)
-        if size <= 0 or total <= size:
-            super().optimizer_step()
-            return
-        try:
-            for index, run in _sub_groups(everything, size):
-                for position, group in enumerate(groups):
-                    group["params"] = run if position == index else []
-                self.optimizer.step()
-        finally:
-            for group, params in zip(groups, everything, strict=True):
-                group["params"] = params
-        for shard_group in self.groups:
-            shard_group.after_step()
 
     # -- backward --------------------------------------------------------------------------
     def begin_backward(self, reduce: bool) -> None:

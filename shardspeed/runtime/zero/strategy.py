@@ -31,7 +31,8 @@ the strategy's :class:`~shardspeed.runtime.zero.records.ParamRegistry`; debuggin
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -44,10 +45,12 @@ from shardspeed.runtime.precision.autocast import lower_precision_safe_params
 from shardspeed.runtime.precision.policy import PrecisionPolicy
 from shardspeed.runtime.zero.comm_group import CommGroup
 from shardspeed.runtime.zero.grad_norm import GradSquares
-from shardspeed.runtime.zero.placement import Placement
+from shardspeed.runtime.zero.offload import OptimizerOffload
 from shardspeed.runtime.zero.records import ParamRecord, ParamRegistry, record_of
 from shardspeed.runtime.zero.reduce_options import GradReduceOptions
 from shardspeed.runtime.zero.shard_group import GroupOptions, ParamFragment, ShardGroup
+from shardspeed.runtime.zero.state_swap import OptimizerStateSwap
+from shardspeed.runtime.zero.sub_group_step import SubGroupStepper
 
 __all__ = [
     "GradReduceOptions",
@@ -74,6 +77,8 @@ class StrategyContext:
     allow_untested_optimizer: bool = False
     #: ``data_types.grad_accum_dtype`` (None: the strategy's default)
     grad_accum_dtype: torch.dtype | None = None
+    #: the ``aio`` section (NVMe swapping)
+    aio: Any = None
     #: the process group a trained parameter reduces over (None: ``data_parallel`` for all);
     #: Mixture of Experts puts expert parameters on their expert-data-parallel group
     comm_for: Callable[[ParamRecord], CommGroup] | None = None
@@ -99,9 +104,11 @@ class ZeroStrategy:
         self.ctx = ctx
         self.registry = ParamRegistry(module, self)
         self._mark_autocast_comm_dtypes()
-        self.placement = Placement.on(ctx.device)
+        self.offload = OptimizerOffload.from_config(ctx.zero_config)
+        self.placement = self.offload.placement(ctx.device)
         self.groups: list[ShardGroup] = []
         self.optimizer: torch.optim.Optimizer | None = None
+        self.stepper = SubGroupStepper(0, None, [])
 
     def _mark_autocast_comm_dtypes(self) -> None:
         """torch_autocast: gradients of lower-precision-safe modules' parameters travel in the
@@ -213,6 +220,23 @@ class ZeroStrategy:
                 t for t in params if id(t) in stepped or self.keep_in_optimizer(t, stepped, index)
             ]
         self.optimizer = optimizer
+        self.stepper = self.make_stepper()
+
+    def make_stepper(self) -> SubGroupStepper:
+        """How the optimizer steps: by ``sub_group_size`` (DeepSpeed applies it at stage 3;
+        here every stage), with the offloaded masters' state swapped to NVMe if configured."""
+        size = int(getattr(self.ctx.zero_config, "sub_group_size", 0) or 0)
+        offloaded = [m for group in self.groups for m in group.offloaded_masters()]
+        swap = None
+        if self.offload.to_nvme and offloaded:
+            assert self.offload.nvme_path is not None  # checked with the config
+            swap = OptimizerStateSwap(
+                self.offload.nvme_path,
+                comm.get_rank() if comm.is_initialized() else 0,
+                self.ctx.aio,
+                pin_memory=self.offload.pin_memory,
+            )
+        return SubGroupStepper(size, swap, offloaded)
 
     # -- backward: every group in turn ------------------------------------------------------
     def begin_backward(self, reduce: bool) -> None:
@@ -248,11 +272,28 @@ class ZeroStrategy:
             group.scale_gradients(coef)
 
     def optimizer_step(self) -> None:
-        """Run the bound optimizer and bring the model parameters up to date."""
+        """Run the bound optimizer (``sub_group_size`` elements at a time, swapping NVMe
+        offloaded state in and out) and bring the model parameters up to date."""
         assert self.optimizer is not None, "bind_optimizer() first"
-        self.optimizer.step()
+        self.stepper.step(self.optimizer)
         for group in self.groups:
             group.after_step()
+
+    @contextmanager
+    def optimizer_state_resident(self) -> Iterator[None]:
+        """The optimizer state in memory inside the block (NVMe offload keeps it in files
+        between steps): for checkpoints and state inspection."""
+        swap = self.stepper.swap
+        if swap is None or self.optimizer is None:
+            yield
+            return
+        with swap.resident(self.stepper.all_items(self.optimizer)):
+            yield
+
+    def optimizer_state_replaced(self) -> None:
+        """The optimizer's state tensors were replaced (a checkpoint was loaded)."""
+        if self.stepper.swap is not None:
+            self.stepper.swap.forget()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the accumulated gradients (each group reuses or frees its buffers)."""
@@ -316,6 +357,8 @@ class ZeroStrategy:
 
     def destroy(self) -> None:
         """Remove the hooks this strategy installed and forget its parameters."""
+        if self.stepper.swap is not None:
+            self.stepper.swap.close()
         for group in self.groups:
             group.destroy()
         self.registry.forget()

@@ -1,0 +1,151 @@
+"""Rank functions of the ZeRO-Offload tests (run on live gloo ranks)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import shardspeed
+from shardspeed.ops.adam import DeepSpeedCPUAdam
+from tests.runtime.parity import MLP, adamw_config, make_task, rank_rows
+from tests.runtime.zero.ranks import _engine
+
+
+def offload_section(device: str, folder: str | None = None, ratio: float = 1.0) -> dict[str, Any]:
+    section: dict[str, Any] = {"device": device, "ratio": ratio}
+    if folder is not None:
+        section["nvme_path"] = folder
+    return section
+
+
+def optimizer_kind(stage: int, device: str, folder: str | None) -> str:
+    """The class of the basic optimizer the config's AdamW becomes under offload."""
+    zero = {"offload_optimizer": offload_section(device, folder)}
+    engine = _engine(MLP(width=8), stage, zero=zero)
+    kind = type(engine.optimizer.optimizer).__name__
+    assert isinstance(engine.optimizer.optimizer, DeepSpeedCPUAdam)
+    engine.destroy()
+    return kind
+
+
+def client_optimizer_check(force: bool) -> str:
+    """A client torch optimizer under offload: refused unless zero_force_ds_cpu_optimizer is
+    false."""
+    model = MLP(width=8)
+    config = adamw_config(
+        2, 1, 0.0, zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}}
+    )
+    del config["optimizer"]
+    config["zero_force_ds_cpu_optimizer"] = force
+    try:
+        engine, *_ = shardspeed.initialize(
+            model=model, optimizer=torch.optim.AdamW(model.parameters()), config=config
+        )
+    except Exception as error:  # noqa: BLE001 - the message is what is checked
+        return f"{type(error).__name__}: {error}"
+    engine.destroy()
+    return ""
+
+
+def state_bytes_in_memory(engine: Any) -> int:
+    return sum(
+        value.untyped_storage().nbytes()
+        for state in engine.optimizer.optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor) and value.numel() > 1
+    )
+
+
+def nvme_trains_like_no_offload(
+    stage: int, folder: str, ratio: float = 1.0, sub_group: int = 0, gas: int = 2
+) -> dict[str, float]:
+    """The same model trained with and without NVMe optimizer offload: equal losses and
+    parameters every step; between steps the offloaded state holds no memory and lives in
+    files of the expected size."""
+    torch.manual_seed(0)
+    task = make_task("gpt", rows=6 * 2 * gas * dist.get_world_size())
+    base = task.build()
+    zero: dict[str, Any] = {"stage3_param_persistence_threshold": 0}
+    if sub_group:
+        zero["sub_group_size"] = sub_group
+    plain = _engine(copy.deepcopy(base), stage, gas=gas, zero=zero)
+    offloaded = _engine(
+        copy.deepcopy(base),
+        stage,
+        gas=gas,
+        zero={**zero, "offload_optimizer": offload_section("nvme", folder, ratio)},
+    )
+    x, y = task.data
+    state_total = 0
+    for step in range(6):
+        for micro_step in range(gas):
+            rows = rank_rows(step, micro_step, 2, gas)
+            losses = []
+            for engine in (plain, offloaded):
+                loss = engine(x[rows], y[rows])
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.detach())
+            torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=1e-7)
+        state_total = state_bytes_in_memory(plain)
+    params = [*plain.module.parameters(), *offloaded.module.parameters()]
+    with shardspeed.zero.GatheredParameters(params):
+        for p, q in zip(plain.module.parameters(), offloaded.module.parameters(), strict=True):
+            torch.testing.assert_close(q.detach(), p.detach(), rtol=1e-6, atol=1e-7)
+    files = sorted(Path(folder).glob(f"optimizer_rank{dist.get_rank()}/*"))
+    on_disk = sum(f.stat().st_size for f in files)
+    result = {
+        "state_in_memory": float(state_bytes_in_memory(offloaded)),
+        "state_reference": float(state_total),
+        "files": float(len(files)),
+        "bytes_on_disk": float(on_disk),
+    }
+    for engine in (plain, offloaded):
+        engine.destroy()
+    return result
+
+
+def checkpoints_cross_offload(stage: int, folder: str) -> list[float]:
+    """Save with NVMe offload and load without, and the reverse: training continues with
+    equal losses on all four engines."""
+    torch.manual_seed(0)
+    task = make_task("gpt", rows=6 * 2 * dist.get_world_size())
+    base = task.build()
+    root = Path(folder)
+
+    def build(nvme: str | None) -> Any:
+        zero: dict[str, Any] = {"stage3_param_persistence_threshold": 0}
+        if nvme is not None:
+            Path(nvme).mkdir(exist_ok=True)
+            zero["offload_optimizer"] = offload_section("nvme", nvme)
+        return _engine(copy.deepcopy(base), stage, zero=zero)
+
+    def train(engine: Any, steps: range) -> list[float]:
+        x, y = task.data
+        out = []
+        for step in steps:
+            rows = rank_rows(step, 0, 2, 1)
+            loss = engine(x[rows], y[rows])
+            engine.backward(loss)
+            engine.step()
+            out.append(loss.item())
+        return out
+
+    swapped, plain = build(str(root / "a")), build(None)
+    assert train(swapped, range(3)) == train(plain, range(3))
+    swapped.save_checkpoint(str(root / "ckpt_nvme"), tag="t")
+    plain.save_checkpoint(str(root / "ckpt_plain"), tag="t")
+    into_plain, into_swapped = build(None), build(str(root / "b"))
+    into_plain.load_checkpoint(str(root / "ckpt_nvme"), tag="t")
+    into_swapped.load_checkpoint(str(root / "ckpt_plain"), tag="t")
+    curves = [train(e, range(3, 6)) for e in (swapped, plain, into_plain, into_swapped)]
+    assert state_bytes_in_memory(into_swapped) == 0
+    for curve in curves[1:]:
+        assert curve == curves[0], curves
+    for engine in (swapped, plain, into_plain, into_swapped):
+        engine.destroy()
+    return curves[0]

@@ -1,0 +1,74 @@
+"""ZeRO-Offload of the optimizer (``zero_optimization.offload_optimizer``) at stages 1-3:
+training equals the same stage without offload, and NVMe offload keeps the optimizer state in
+files, not memory, between steps."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.runtime.offload import offload_ranks
+from tests.runtime.parity import run_parity
+
+STEPS = 10
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("world", [1, 2], ids=["w1", "w2"])
+def test_cpu_offload_matches_single_process(dist_pool, world, stage):
+    """Stages 1-3 with the optimizer offloaded to host memory (DeepSpeedCPUAdam) match one
+    process on the global batch: losses, parameters and Adam moments every step, with gradient
+    accumulation and clipping."""
+    zero = {"offload_optimizer": {"device": "cpu"}, "stage3_param_persistence_threshold": 0}
+    losses = dist_pool(world).run(
+        run_parity,
+        "gpt",
+        2,
+        1.0,
+        STEPS,
+        stage=stage,
+        atol=1e-5,
+        config_extra={"zero_optimization": zero},
+    )
+    assert sum(losses[0][-3:]) < sum(losses[0][:3])
+
+
+def test_offload_builds_the_cpu_optimizer(dist_pool, tmp_path):
+    kinds = dist_pool(2).run(offload_ranks.optimizer_kind, 2, "nvme", str(tmp_path))
+    assert kinds == ["DeepSpeedCPUAdam", "DeepSpeedCPUAdam"]
+
+
+def test_client_optimizer_needs_a_cpu_kind(dist_pool):
+    pool = dist_pool(2)
+    refused = pool.run(offload_ranks.client_optimizer_check, True)
+    assert all("ZeRORuntimeException" in m and "zero_force_ds_cpu_optimizer" in m for m in refused)
+    assert pool.run(offload_ranks.client_optimizer_check, False) == ["", ""]
+
+
+@pytest.mark.parametrize(
+    ("stage", "ratio", "sub_group"),
+    [(1, 1.0, 0), (2, 1.0, 0), (3, 1.0, 3000), (3, 0.5, 3000)],
+    ids=["stage1", "stage2", "stage3-subgroups", "stage3-half"],
+)
+def test_nvme_offload_matches_and_frees_the_state(dist_pool, tmp_path, stage, ratio, sub_group):
+    results = dist_pool(2).run(
+        offload_ranks.nvme_trains_like_no_offload, stage, str(tmp_path), ratio, sub_group
+    )
+    for result in results:
+        reference = result["state_reference"]  # Adam's two moments, in memory without offload
+        assert reference > 0
+        # each file is padded to whole 4 KiB blocks (direct I/O)
+        padding = result["files"] * 4096
+        if ratio == 1.0:
+            assert result["state_in_memory"] == 0
+            assert reference <= result["bytes_on_disk"] <= reference + padding
+        else:  # about half the moments on disk, the rest in memory
+            assert 0 < result["state_in_memory"] < reference
+            on_disk = reference - result["state_in_memory"]
+            assert on_disk <= result["bytes_on_disk"] <= on_disk + padding
+            assert on_disk == pytest.approx(reference * ratio, rel=0.35)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_checkpoints_load_across_offload(dist_pool, tmp_path, stage):
+    curves = dist_pool(2).run(offload_ranks.checkpoints_cross_offload, stage, str(tmp_path))
+    assert all(len(curve) == 3 for curve in curves)  # each rank: four equal curves
