@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +51,9 @@ from shardspeed.version import __version__
 if TYPE_CHECKING:
     from shardspeed.config import DeepSpeedConfig
     from shardspeed.runtime.engine import DeepSpeedEngine
+
+#: (engine, client_state, exclude_frozen_parameters, commits) -> this rank's files
+RankFiles = Callable[[Any, dict[str, Any], bool, bool], dict[str, Any]]
 
 _DEEPSPEED_KEYS = (
     "param_shapes",
@@ -92,7 +96,11 @@ def save(
     client_state: dict[str, Any],
     save_latest: bool,
     exclude_frozen_parameters: bool,
+    rank_files: RankFiles | None = None,
 ) -> bool:
+    """Save a tag of ``engine``'s state; ``rank_files`` gives each rank's files (default: the
+    model states and ZeRO shards of :func:`_rank_files`; the pipeline engine writes its own
+    layout through the same staging, commit and agreement)."""
     wait(engine)  # a save in flight is committed (or fails) before the next one starts
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     if "/" in tag or tag in ("", ".", "..") or tag.startswith("."):
@@ -105,7 +113,9 @@ def save(
     )
     failure, files = None, {}
     try:
-        files = _rank_files(engine, client_state, exclude_frozen_parameters, commits)
+        files = (rank_files or _rank_files)(
+            engine, client_state, exclude_frozen_parameters, commits
+        )
         # background: copied out first, so training can go on changing the live tensors
         files = snapshot(files, copy=config.decoupled, where="checkpoint")
         if commits:
