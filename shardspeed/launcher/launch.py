@@ -24,6 +24,7 @@ from shardspeed.launcher.constants import (
     PID_FILE_DIR,
     PID_FILE_SUFFIX,
 )
+from shardspeed.launcher.rank_errors import RankStderr
 from shardspeed.launcher.resources import Resources, local_accelerator_count
 from shardspeed.launcher.supervisor import (
     RankProcess,
@@ -168,7 +169,9 @@ def spawn_ranks(args: argparse.Namespace, layout: NodeLayout) -> list[RankProces
                 rank_command(args, local_rank),
                 env=env,
                 stdout=log,
-                stderr=subprocess.STDOUT if log else None,
+                # without a log file, stderr comes through the launcher: tracebacks are told
+                # once for all ranks (rank_errors.py)
+                stderr=subprocess.STDOUT if log else subprocess.PIPE,
                 start_new_session=True,
                 preexec_fn=child_setup(cores),
             )
@@ -177,7 +180,8 @@ def spawn_ranks(args: argparse.Namespace, layout: NodeLayout) -> list[RankProces
                 log.close()
             terminate(ranks)
             raise
-        ranks.append(RankProcess(rank, local_rank, popen, log))
+        pump = None if popen.stderr is None else RankStderr(rank, popen.stderr)
+        ranks.append(RankProcess(rank, local_rank, popen, log, pump))
         logger.debug(f"started rank {rank}: pid {popen.pid}")
     return ranks
 

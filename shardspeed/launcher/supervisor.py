@@ -16,9 +16,16 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import IO
 
-from shardspeed.launcher.constants import TERMINATE_GRACE_S
+from shardspeed.launcher.constants import FAILURE_GRACE_S, TERMINATE_GRACE_S
+from shardspeed.launcher.rank_errors import (
+    RankStderr,
+    errors_in_file,
+    failure_report,
+    log_folder,
+)
 from shardspeed.utils.logging import logger
 
 POLL_INTERVAL_S = 0.05
@@ -34,9 +41,19 @@ class RankProcess:
     local_rank: int
     popen: subprocess.Popen[bytes]
     log_file: IO[bytes] | None = None
+    #: the pump of its stderr when it has no log file
+    stderr: RankStderr | None = None
 
     def describe(self) -> str:
         return f"rank {self.rank} (local rank {self.local_rank}, pid {self.popen.pid})"
+
+    def errors(self) -> list[str]:
+        """The final lines of the Python tracebacks this rank printed."""
+        if self.stderr is not None:
+            return self.stderr.filter.errors
+        if self.log_file is not None:
+            return errors_in_file(self.log_file.name)
+        return []
 
 
 @dataclass
@@ -91,6 +108,8 @@ def terminate(ranks: list[RankProcess], sig: int = signal.SIGTERM) -> None:
         proc.popen.wait()
         if proc.log_file is not None:
             proc.log_file.close()
+        if proc.stderr is not None:
+            proc.stderr.finish()
 
 
 def exit_code_of(returncode: int) -> int:
@@ -111,8 +130,10 @@ def _describe_exit(returncode: int) -> str:
 def supervise(ranks: list[RankProcess], stop: StopRequest) -> int:
     """Wait for the ranks; return 0 when all succeed, else the failing rank's exit code.
 
-    On the first failure the others are terminated at once; on a forwarded signal all ranks
-    get it and the result is 128 + the signal number.
+    On the first failure the others get a moment to stop by themselves (a config error fails
+    every rank at once), then are terminated; the Python errors of the failed
+    ranks are reported once (:func:`report_errors`). On a forwarded signal all ranks get it and
+    the result is 128 + the signal number.
     """
     pending = list(ranks)
     while pending:
@@ -132,12 +153,51 @@ def supervise(ranks: list[RankProcess], stop: StopRequest) -> int:
                     f"{len(pending)} running local rank(s) and exiting with code "
                     f"{exit_code_of(code)}"
                 )
+                _await_others(pending)
                 terminate(ranks)
+                # the others that failed by themselves or had begun to raise
+                failed = [
+                    proc,
+                    *(p for p in pending if (p.popen.returncode or 0) > 0 or p.errors()),
+                ]
+                report_errors(ranks, failed)
                 return exit_code_of(code)
         if pending:
             time.sleep(POLL_INTERVAL_S)
     terminate(ranks)
+    report_errors(ranks, [])
     return 0
+
+
+def _await_others(pending: list[RankProcess]) -> None:
+    """Give the ranks of ``pending`` ``FAILURE_GRACE_S`` to exit by themselves."""
+    deadline = time.monotonic() + FAILURE_GRACE_S
+    while time.monotonic() < deadline and any(p.popen.poll() is None for p in pending):
+        time.sleep(POLL_INTERVAL_S)
+
+
+def report_errors(ranks: list[RankProcess], failed: list[RankProcess]) -> None:
+    """Tell each distinct Python error once, naming its ranks: the failed ranks' (as an error)
+    and, apart, those of ranks that printed a traceback and went on (as a warning). The full
+    output is in the per-rank logs (written now for ranks whose stderr came through a pipe)."""
+    folder = None
+    others = [p for p in ranks if p not in failed]
+    for procs, verb in ((failed, "failed"), (others, "printed a traceback and went on")):
+        entries = []
+        for proc in procs:
+            errors = proc.errors()
+            if procs is others and not errors:
+                continue
+            path = None
+            if proc.log_file is not None:
+                path = Path(proc.log_file.name)
+            elif proc.stderr is not None:
+                folder = folder or log_folder()
+                path = proc.stderr.write_log(folder)
+            entries.append((proc.rank, errors, path))
+        if entries:
+            log = logger.error if procs is failed else logger.warning
+            log(failure_report(entries, verb))
 
 
 @contextmanager
