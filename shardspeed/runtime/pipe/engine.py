@@ -22,6 +22,7 @@ the whole batch before the schedule starts, and every rank learns whether it ran
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -95,6 +96,9 @@ class PipelineEngine(DeepSpeedEngine):
         self.data_iterator: Iterator[Any] | None = None
         self.batch_fn: Callable[[Any], Any] | None = None
         self.activation_meter = ActivationMeter()
+        #: host seconds spent in each instruction kind since the engine was built (a receive
+        #: includes waiting for the sender); the benchmark reads the bubble from it
+        self.instruction_seconds: dict[str, float] = {}
         self.agg_train_loss: torch.Tensor | None = None
         self.first_output_send = True
         self._error: str | None = None
@@ -258,6 +262,7 @@ class PipelineEngine(DeepSpeedEngine):
     def _exec_schedule(self, sched: schedule.PipeSchedule, training: bool) -> None:
         self._training = training
         self._reset_buffers(sched.num_pipe_buffers())
+        times = self.instruction_seconds
         for step_cmds in sched:
             for cmd in step_cmds:
                 handler = self._INSTRUCTION_MAP.get(type(cmd))
@@ -265,7 +270,10 @@ class PipelineEngine(DeepSpeedEngine):
                     raise RuntimeError(
                         f"PipelineEngine has no handler for instruction {type(cmd).__name__}"
                     )
+                start = time.perf_counter()
                 handler(self, cmd)
+                times[cmd.name] = times.get(cmd.name, 0.0) + time.perf_counter() - start
+        self.channel.wait_sends()
         self._reset_buffers(0)
 
     def _exec_load_micro_batch(self, cmd: schedule.LoadMicroBatch) -> None:

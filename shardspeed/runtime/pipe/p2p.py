@@ -9,6 +9,11 @@ message; :meth:`P2PChannel.reset` forgets the cache (``reset_activation_shape``)
 A sender whose message no longer matches the cached description refuses to send (the receiver
 would read wrong sizes). Gradients need no description: they have the shapes of the
 activations that required grad, in the same order.
+
+Sends are asynchronous (``isend``): a stage goes on computing while its neighbour has not yet
+reached the matching receive (gloo and NCCL hold a large send until then). The channel keeps
+each message alive until its send completes; :meth:`P2PChannel.wait_sends` waits for all of
+them (the engine calls it at the end of every schedule). Receives block: their data is needed.
 """
 
 from __future__ import annotations
@@ -101,6 +106,20 @@ class P2PChannel:
         #: (peer, training) -> the description last exchanged
         self._sent: dict[tuple[int, bool], MessageMeta] = {}
         self._received: dict[tuple[int, bool], MessageMeta] = {}
+        #: (work handle, tensor) of sends not known to be complete
+        self._pending: list[tuple[Any, torch.Tensor]] = []
+
+    def _send(self, tensor: torch.Tensor, dst: int) -> None:
+        tensor = tensor.detach().contiguous()
+        self._pending.append((comm.isend(tensor, dst), tensor))
+        if len(self._pending) > 8:  # forget the completed ones now and then
+            self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
+
+    def wait_sends(self) -> None:
+        """Wait until every send has been received."""
+        for work, _ in self._pending:
+            work.wait()
+        self._pending.clear()
 
     def reset(self) -> None:
         """Forget every cached description (both neighbours must reset too)."""
@@ -114,8 +133,8 @@ class P2PChannel:
         cached = self._sent.get(key)
         if cached is None or self.dynamic_shape:
             encoded = torch.tensor(meta.encode(), dtype=torch.int64, device=self.device)
-            comm.send(torch.tensor([encoded.numel()], device=self.device), dst)
-            comm.send(encoded, dst)
+            self._send(torch.tensor([encoded.numel()], device=self.device), dst)
+            self._send(encoded, dst)
             self._sent[key] = meta
         elif cached != meta:
             raise ActivationShapeError(
@@ -125,7 +144,7 @@ class P2PChannel:
             )
         tensors = message if isinstance(message, tuple) else (message,)
         for tensor in tensors:
-            comm.send(tensor.detach().contiguous(), dst)
+            self._send(tensor, dst)
 
     def recv_activations(self, src: int, training: bool) -> tuple[Any, MessageMeta]:
         """The message from ``src`` (tensors that required grad there require grad here, as
@@ -155,7 +174,7 @@ class P2PChannel:
         for grad, tensor_meta in zip(grads, meta.grad_metas, strict=True):
             if grad is None:
                 grad = torch.zeros(tensor_meta.shape, dtype=tensor_meta.dtype, device=self.device)
-            comm.send(grad.contiguous(), dst)
+            self._send(grad, dst)
 
     def recv_grads(self, outputs: Any, src: int) -> list[torch.Tensor]:
         """The gradients of this stage's ``outputs`` that require grad, from the next stage."""
