@@ -10,14 +10,18 @@ swapper overwrites and reads one ``--size-mb`` tensor (aligned buffer, ``O_DIREC
 filesystem accepts it) at each block size x queue depth x thread count. Each figure is the
 median over ``--repeats`` rounds with its min and max. ``best`` compares the swapper at the
 single ``aio`` setting with the highest write+read median (``best_aio``, ready to paste into a
-config) against ``dd``'s best block size. Prints one JSON line.
+config) against ``dd``'s best block size; ``per_block_size`` compares, at each block size, ``dd``
+with the swapper's best queue depth and thread count. Prints one JSON line.
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
-from shardspeed.runtime.swap.io_bench import main
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+
+from shardspeed.runtime.swap.io_bench import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

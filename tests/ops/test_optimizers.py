@@ -71,6 +71,8 @@ def test_adam_batched_update_is_bitwise_the_whole_group_update(monkeypatch, dtyp
 
     assert [len(b) for b in batches_by_numel(make_params(), limit=20)] == [1, 2]  # 20 | 7+12
     assert [len(b) for b in batches_by_numel(make_params(), limit=10**9)] == [3]
+    # the multi-tensor path: CPU tensors would otherwise take torch's fused CPU kernel
+    monkeypatch.setattr(adam_base, "cpu_fusable", lambda *tensors: False)
     whole, batched = make_params(dtype), make_params(dtype)
     one = FusedAdam(whole, lr=1e-2, weight_decay=0.1)
     run(one, whole, range(3))

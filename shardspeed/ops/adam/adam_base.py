@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from shardspeed.ops.adam.cpu_fused import cpu_fusable, fused_adam_cpu
 from shardspeed.ops.multi_tensor import (
     MultiTensorOptimizer,
     WorkList,
@@ -132,8 +133,45 @@ class AdamBase(MultiTensorOptimizer):
         if fused:
             self._fused_update(group, fused)
         rest = [p for p in params if not self._fusable(p, group)] if fused else params
+        on_cpu = [p for p in rest if self._cpu_fusable(p)]
+        if on_cpu:
+            self._cpu_fused_update(group, on_cpu)
+            rest = [p for p in rest if not self._cpu_fusable(p)]
         if rest:
             self._foreach_update(group, rest)
+
+    def _cpu_fusable(self, param: torch.Tensor) -> bool:
+        state = self.state[param]
+        step = state["step"]
+        return (
+            torch.is_tensor(step)
+            and step.device.type == "cpu"
+            and step.dtype == torch.float32
+            and cpu_fusable(param, state["exp_avg"], state["exp_avg_sq"])
+        )
+
+    def _hyperparameters(self, group: dict[str, Any]) -> dict[str, Any]:
+        """The keyword arguments of :func:`adam_update` / :func:`fused_adam_cpu` for ``group``."""
+        beta1, beta2 = group["betas"]
+        return dict(
+            lr=float(group["lr"]),
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            adam_w_mode=self.adam_w_mode,
+            bias_correction=bool(group["bias_correction"]),
+        )
+
+    def _cpu_fused_update(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        states = [self.state[p] for p in params]
+        fused_adam_cpu(
+            params,
+            [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states],
+            [s["step"] for s in states],
+            **self._hyperparameters(group),
+        )
 
     def _foreach_update(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
         for batch in batches_by_numel(params):
@@ -144,20 +182,13 @@ class AdamBase(MultiTensorOptimizer):
         p_work = WorkList(params)
         m_work = WorkList([s["exp_avg"] for s in states], like=params)
         v_work = WorkList([s["exp_avg_sq"] for s in states], like=params)
-        beta1, beta2 = group["betas"]
         adam_update(
             p_work.work,
             grads_in(params),
             m_work.work,
             v_work.work,
             [float(s["step"]) for s in states],
-            lr=float(group["lr"]),
-            beta1=beta1,
-            beta2=beta2,
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
-            adam_w_mode=self.adam_w_mode,
-            bias_correction=bool(group["bias_correction"]),
+            **self._hyperparameters(group),
         )
         for work in (p_work, m_work, v_work):
             work.write_back()

@@ -15,9 +15,11 @@ class DeepSpeedCPUAdam(AdamBase):
     """Vectorised Adam (``adamw_mode=False``) or AdamW (``adamw_mode=True``, default).
 
     DeepSpeed ships a hand-written SIMD kernel for this; shardspeed runs the same update (see
-    :mod:`shardspeed.ops.adam.adam_base`) with ``torch._foreach_*`` kernels, which PyTorch
-    vectorises and parallelises on CPU. It works on tensors of any device; ZeRO-Offload uses it
-    on the CPU copy of the fp32 master parameters.
+    :mod:`shardspeed.ops.adam.adam_base`) on CPU tensors with PyTorch's fused CPU Adam kernel,
+    one vectorised, multi-threaded pass over memory (:mod:`shardspeed.ops.adam.cpu_fused`;
+    fp16/bf16 parameters with fp32 moments go through it chunk by chunk), and elsewhere with
+    ``torch._foreach_*`` kernels. ZeRO-Offload uses it on the CPU copy of the fp32 master
+    parameters.
 
     Args:
         model_params: iterable of parameters or dicts defining parameter groups.

@@ -158,6 +158,7 @@ def run(
         },
     }
     if result["dd"]:
+        result["per_block_size"] = _per_block_size(result["dd"], grid)
         dd_best = {
             way: max(row[way]["gbps"] for row in result["dd"].values()) for way in ("write", "read")
         }
@@ -170,6 +171,23 @@ def run(
             "read_vs_dd": round(best["read"]["gbps"] / dd_best["read"], 3),
         }
     return result
+
+
+def _per_block_size(
+    dd: dict[str, dict[str, dict[str, float]]], grid: list[dict[str, Any]]
+) -> dict[str, dict[str, float]]:
+    """At each block size: ``dd`` against the swapper's best queue depth and thread count."""
+    out = {}
+    for bs, figures in dd.items():
+        rows = [row for row in grid if str(row["block_size"]) == bs]
+        line = {}
+        for way in ("write", "read"):
+            best = max(row[way]["gbps"] for row in rows)
+            line[f"dd_{way}_gbps"] = figures[way]["gbps"]
+            line[f"swapper_{way}_gbps"] = best
+            line[f"{way}_vs_dd"] = round(best / figures[way]["gbps"], 3)
+        out[bs] = line
+    return out
 
 
 def _both(samples: Sequence[tuple[float, float]]) -> dict[str, dict[str, float]]:

@@ -25,6 +25,7 @@ def test_sweep_reports_dd_swapper_and_best_aio(tmp_path: Path) -> None:
     AioConfig(**result["best_aio"])  # pastes into a config as is
     if result["o_direct"]:
         assert result["dd"] and result["best"]["read_vs_dd"] > 0
+        assert set(result["per_block_size"]) == {"65536"}
     assert list(tmp_path.iterdir()) == []  # no files left behind
 
 
