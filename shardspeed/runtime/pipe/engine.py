@@ -160,7 +160,22 @@ class PipelineEngine(DeepSpeedEngine):
         self._losses: list[torch.Tensor] = []
         self._exec_schedule(sched, training=True)
         self.agg_train_loss = self._aggregate_loss(self._losses, bcast=True)
+        self._write_monitor_events(self.agg_train_loss)
         return self.agg_train_loss
+
+    def _write_monitor_events(self, loss: torch.Tensor) -> None:
+        """The batch's loss, learning rate and loss scale to the configured monitors."""
+        monitor = self.observability.monitor
+        if not monitor.enabled:
+            return
+        x = self.global_samples
+        events = [("Train/Samples/train_loss", float(loss), x)]
+        lrs = self.get_lr()
+        if lrs:
+            events.append(("Train/Samples/lr", float(lrs[0]), x))
+        if self.precision.needs_loss_scaling:
+            events.append(("Train/Samples/loss_scale", float(self.loss_scale), x))
+        monitor.write_events(events)
 
     def eval_batch(
         self,

@@ -262,3 +262,56 @@ def checkpoint_across_degrees(
         batches = Batches(data, micro, gas, dp, grid.get_data_parallel_rank())
         _train_steps(engine, ref, opt, batches, range(3, 6), clip)
         engine.destroy()
+
+
+def low_precision(dtype: str, monitor_dir: str, steps: int = 6) -> list[float]:
+    """fp16 (loss scaling) or bf16 pipeline training follows the fp32 single-process model
+    within the dtype's tolerance; the LR schedule steps once per batch; the CSV monitor gets
+    the batch loss."""
+    precision = (
+        {"fp16": {"enabled": True, "initial_scale_power": 8}}
+        if dtype == "fp16"
+        else {"bf16": {"enabled": True}}
+    )
+    scheduler = {
+        "type": "WarmupLR",
+        "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 4},
+    }
+    micro, gas = 2, 4
+    reference = Reference()
+    module = pipeline_from(copy.deepcopy(reference), 2)
+    engine, *_ = shardspeed.initialize(
+        model=module,
+        config=config(
+            micro,
+            gas,
+            0.1,
+            scheduler=scheduler,
+            csv_monitor={"enabled": True, "output_path": monitor_dir, "job_name": "pipe"},
+            **precision,
+        ),
+    )
+    expected_dtype = torch.float16 if dtype == "fp16" else torch.bfloat16
+    assert all(p.dtype == expected_dtype for p in module.parameters())
+    data = synthetic_tokens(steps * micro * gas, TINY, seed=5)
+    batches = Batches(data, micro, gas, 1, 0)
+    optimizer = torch.optim.AdamW(reference.parameters(), **OPT_PARAMS)
+    lrs, losses = [], []
+    for k in range(steps):
+        lr_used = engine.get_lr()[0]
+        loss = engine.train_batch(iter(batches.step(k)))
+        lrs.append(engine.get_lr()[0])
+        for group in optimizer.param_groups:
+            group["lr"] = lr_used
+        tokens, targets = batches.global_batch(k)
+        optimizer.zero_grad()
+        expected = loss_fn(reference(tokens), targets)
+        expected.backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1)
+        optimizer.step()
+        assert_close(loss, expected.detach(), f"{dtype} step {k} loss", 3e-2, 3e-2)
+        losses.append(float(loss))
+    assert lrs == sorted(lrs) and lrs[0] < lrs[-1] <= 1e-2, lrs
+    assert engine.skipped_steps == 0
+    engine.destroy()
+    return losses

@@ -3,6 +3,8 @@ errors on every rank without hangs."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.runtime.pipe import ranks
 
 
@@ -22,3 +24,11 @@ def test_eval_batch_matches_single_process(dist_pool):
 
 def test_errors_raise_on_every_rank(dist_pool):
     dist_pool(2).run(ranks.errors_are_clear_everywhere, timeout_s=120)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_low_precision_follows_fp32(dist_pool, tmp_path, dtype):
+    losses = dist_pool(2).run(ranks.low_precision, dtype, str(tmp_path))
+    assert losses[0] == losses[1]
+    written = (tmp_path / "pipe" / "Train_Samples_train_loss.csv").read_text().splitlines()
+    assert len(written) == 1 + len(losses[0])  # a header, then one row per batch
