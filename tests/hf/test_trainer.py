@@ -91,3 +91,15 @@ def test_trainer_matches_ddp_saves_and_resumes(
     worst = _check_run(results)
     _check_saved(tmp_path, results, env)
     print(f"{launcher}: largest |loss - DDP loss| over {len(STEPS)} steps: {worst:.3g}")
+
+
+@pytest.mark.timeout(180)
+def test_readme_example_finetunes_and_saves(compat_site: Path, tmp_path: Path) -> None:
+    from tests.hf.conftest import REPO
+
+    example = REPO / "examples" / "hf_llama_finetune.py"
+    cmd = launch_cmd("shardspeed", "unused.py")[:-1]  # the launcher's own flags
+    cmd += [str(example), "--output_dir", str(tmp_path), "--max_steps", "4"]
+    output = run_launched(cmd, rank_env(compat_site), timeout=170)
+    assert "done: 4 steps" in output, output[-3000:]
+    assert (tmp_path / "final" / "model.safetensors").is_file()
