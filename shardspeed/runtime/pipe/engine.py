@@ -54,6 +54,14 @@ def _tensors(message: Any) -> tuple[torch.Tensor, ...]:
     return message if isinstance(message, tuple) else (message,)
 
 
+def _inputs_of(batch: Any) -> Any:
+    """The inputs of an ``(inputs, labels)`` micro-batch, as the first stage receives them."""
+    if isinstance(batch, tuple | list) and len(batch) == 2:
+        inputs = batch[0]
+        return tuple(inputs) if isinstance(inputs, list) else inputs
+    return ()
+
+
 class ActivationMeter:
     """Counts the micro-batches whose activations are alive on this stage (weak references to
     each forward's outputs: alive while autograd or a buffer still holds them)."""
@@ -103,6 +111,8 @@ class PipelineEngine(DeepSpeedEngine):
         self.first_output_send = True
         self._error: str | None = None
         self._batch: list[Any] = []
+        #: shapes and dtypes of the last batch's inputs (first stage), to notice a change
+        self._input_shapes: Any = None
         self._reset_buffers(0)
         if self.training_dataloader is not None and (self.is_first_stage() or self.is_last_stage()):
             self.set_dataiterator(iter(self.training_dataloader))
@@ -244,17 +254,38 @@ class PipelineEngine(DeepSpeedEngine):
                         "in shardspeed.utils.RepeatingLoader or give it enough batches"
                     )
         self._error = failure or None
-        self._agree_no_error("reading the batch")
+        shape_change = self._input_shape_change() if not failure else 0
+        shape_change = self._agree_no_error("reading the batch", shape_change)
+        # the first stage's inputs decide every activation's shape: when they change, every
+        # rank describes its messages again (and for each message while they vary in a batch)
+        if shape_change:
+            self.channel.reset()
+        self.channel.describe_always = shape_change == 2
         self._batch.reverse()
 
-    def _agree_no_error(self, where: str) -> None:
+    def _input_shape_change(self) -> int:
+        """On the first stage: 0 if the batch's inputs have the shapes of the last batch's, 1
+        if they changed, 2 if they differ between its micro-batches (elsewhere 0)."""
+        if not self.is_first_stage() or self.pipe_module.dynamic_shape:
+            return 0
+        shapes = {
+            tuple((tuple(t.shape), t.dtype) for t in _tensors(_inputs_of(batch)))
+            for batch in self._batch
+        }
+        if len(shapes) > 1:
+            return 2
+        previous, self._input_shapes = self._input_shapes, next(iter(shapes), None)
+        return int(previous is not None and previous != self._input_shapes)
+
+    def _agree_no_error(self, where: str, note: int = 0) -> int:
         """Every rank learns whether any rank hit an error (one small all-reduce); if one did,
-        every rank raises with the failing ranks' messages."""
-        flag = torch.tensor([1.0 if self._error else 0.0], device=self.device)
+        every rank raises with the failing ranks' messages. Also agrees on the largest
+        ``note`` any rank passed, and returns it."""
+        flag = torch.tensor([1.0 if self._error else 0.0, float(note)], device=self.device)
         if comm.get_world_size() > 1:
             comm.all_reduce(flag, op=comm.ReduceOp.MAX)
-        if flag.item() == 0:
-            return
+        if flag[0].item() == 0:
+            return int(flag[1].item())
         messages: list[Any] = [self._error]
         if comm.get_world_size() > 1:
             messages = [None] * comm.get_world_size()

@@ -6,8 +6,11 @@ mode (training or evaluation), it sends a description of the message (its length
 per tensor: dtype, requires_grad, shape) so the receiver can allocate; both sides cache it and
 later messages are the tensors only. With ``dynamic_shape`` the description goes with every
 message; :meth:`P2PChannel.reset` forgets the cache (``reset_activation_shape``), on both sides.
-A sender whose message no longer matches the cached description refuses to send (the receiver
-would read wrong sizes). Gradients need no description: they have the shapes of the
+The engine resets the cache on every rank when the first stage's inputs change shape between
+batches, and describes every message of a batch whose micro-batches differ, so ``dynamic_shape``
+is only needed where a stage's outputs change shape while its inputs do not. A sender whose
+message no longer matches the cached description refuses to send (the receiver would read
+wrong sizes). Gradients need no description: they have the shapes of the
 activations that required grad, in the same order.
 
 Sends are asynchronous (``isend``): a stage goes on computing while its neighbour has not yet
@@ -103,6 +106,9 @@ class P2PChannel:
     def __init__(self, device: torch.device, dynamic_shape: bool = False) -> None:
         self.device = device
         self.dynamic_shape = dynamic_shape
+        #: describe every message for now (set by the engine for a batch whose micro-batches
+        #: differ in shape)
+        self.describe_always = False
         #: (peer, training) -> the description last exchanged
         self._sent: dict[tuple[int, bool], MessageMeta] = {}
         self._received: dict[tuple[int, bool], MessageMeta] = {}
@@ -131,7 +137,7 @@ class P2PChannel:
         meta = MessageMeta.of(message)
         key = (dst, training)
         cached = self._sent.get(key)
-        if cached is None or self.dynamic_shape:
+        if cached is None or self.dynamic_shape or self.describe_always:
             encoded = torch.tensor(meta.encode(), dtype=torch.int64, device=self.device)
             self._send(torch.tensor([encoded.numel()], device=self.device), dst)
             self._send(encoded, dst)
@@ -151,7 +157,7 @@ class P2PChannel:
         leaves whose ``.grad`` goes back) and its description."""
         key = (src, training)
         meta = self._received.get(key)
-        if meta is None or self.dynamic_shape:
+        if meta is None or self.dynamic_shape or self.describe_always:
             length = torch.zeros(1, dtype=torch.int64, device=self.device)
             comm.recv(length, src)
             encoded = torch.zeros(int(length.item()), dtype=torch.int64, device=self.device)

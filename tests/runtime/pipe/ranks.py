@@ -315,3 +315,70 @@ def low_precision(dtype: str, monitor_dir: str, steps: int = 6) -> list[float]:
     assert engine.skipped_steps == 0
     engine.destroy()
     return losses
+
+
+def changing_shapes(dynamic: bool) -> None:
+    """Inputs whose sequence length changes between batches, and within one batch: the engine
+    describes the activations again (without ``dynamic_shape``, because the first stage's
+    inputs changed; with it, every message) and training stays in parity."""
+    micro, gas, clip = 2, 2, 0.1
+    reference = Reference()
+    module = pipeline_from(copy.deepcopy(reference), 2, dynamic_shape=dynamic)
+    engine, *_ = shardspeed.initialize(model=module, config=config(micro, gas, clip))
+    optimizer = torch.optim.AdamW(reference.parameters(), **OPT_PARAMS)
+    data = synthetic_tokens(5 * micro * gas, TINY, seed=6)
+    tokens_all, targets_all = data.tensors
+    for k, lengths in enumerate([(8, 8), (8, 8), (6, 6), (6, 4), (8, 8)]):
+        micro_batches = []
+        for j, length in enumerate(lengths):
+            rows = slice((k * gas + j) * micro, (k * gas + j + 1) * micro)
+            micro_batches.append((tokens_all[rows, :length], targets_all[rows, :length]))
+        loss = engine.train_batch(iter(micro_batches))
+        optimizer.zero_grad()
+        expected = torch.stack([loss_fn(reference(x), y) for x, y in micro_batches]).mean()
+        expected.backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
+        optimizer.step()
+        assert_close(loss, expected.detach(), f"batch {k} {lengths} loss", 1e-5, 1e-5)
+        check_params(engine, reference, f"batch {k} {lengths}", 1e-5, 1e-5)
+    engine.destroy()
+
+
+def module_api() -> None:
+    """What PipelineModule builds where, and DeepSpeed's names for its checkpoint files."""
+    from shardspeed.pipe import LayerSpec, PipelineModule
+
+    built: list[str] = []
+
+    class Counted(torch.nn.Linear):
+        def __init__(self, name: str) -> None:
+            super().__init__(4, 4)
+            if self.weight.device.type != "meta":
+                built.append(name)
+
+    specs = [LayerSpec(Counted, f"l{i}") for i in range(6)]
+    stage = dist.get_rank()
+    module = PipelineModule(specs, num_stages=2)  # parameters: 3 layers each, counted on meta
+    assert built == [f"l{i}" for i in range(3 * stage, 3 * stage + 3)], built
+    assert sorted(module.state_dict()) == sorted(
+        f"{i}.{p}" for i in range(3 * stage, 3 * stage + 3) for p in ("weight", "bias")
+    )
+    assert module.topology().get_dim("pipe") == 2 and module.mpu().get_stage_id() == stage
+    assert module.ckpt_prefix("/c", "t") == f"/c/t/module-pipe_{stage:02d}"
+    assert module.ckpt_layer_path("/c/t", 0) == f"/c/t/layer_{3 * stage:02d}-model_states.pt"
+    assert module.get_additional_losses() is None
+    typed = PipelineModule(
+        [torch.nn.ReLU(), *[torch.nn.Linear(4, 4) for _ in range(4)], torch.nn.ReLU()],
+        num_stages=2,
+        partition_method="type:linear",
+    )
+    assert typed.parts == [0, 3, 6], typed.parts  # two Linear layers per stage
+    uniform = PipelineModule(
+        torch.nn.Sequential(*[torch.nn.ReLU() for _ in range(5)]),
+        num_stages=2,
+        partition_method="uniform",
+    )
+    assert uniform.parts == [0, 3, 5]
+    grid = module.mpu()
+    assert grid.get_data_parallel_world_size() == 1 and grid.get_pipe_parallel_world_size() == 2
+    assert grid.stage_to_global(1) == 1 and grid.get_model_parallel_world_size() == 2

@@ -32,3 +32,12 @@ def test_low_precision_follows_fp32(dist_pool, tmp_path, dtype):
     assert losses[0] == losses[1]
     written = (tmp_path / "pipe" / "Train_Samples_train_loss.csv").read_text().splitlines()
     assert len(written) == 1 + len(losses[0])  # a header, then one row per batch
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["cached", "dynamic_shape"])
+def test_changing_input_shapes(dist_pool, dynamic):
+    dist_pool(2).run(ranks.changing_shapes, dynamic)
+
+
+def test_module_builds_only_its_stage(dist_pool):
+    dist_pool(2).run(ranks.module_api)
