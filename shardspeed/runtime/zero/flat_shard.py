@@ -12,19 +12,28 @@ parameters' autograd version counters (``param.data`` was rebound), so a re-gath
 forward and backward is not an in-place modification autograd refuses. (PyTorch FSDP2 frees its
 unsharded parameters the same way.)
 
-With one rank there is nothing to shard: the shard is the full buffer and it is never released.
+With one rank there is nothing to shard: the shard is the full buffer and it is never released,
+unless parameter offload swaps it (below).
+
+Under ``offload_param`` (:meth:`FlatShard.offload`) the shard lives elsewhere between uses: in
+host memory (``cpu``; a device copy is made for the all-gather) or in a file through a
+:class:`~.state_swap.SwapStore` (``nvme``: read back before the gather, and out of memory again
+as soon as the gather is done, written only if it changed).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from shardspeed import comm
 from shardspeed.runtime.zero.comm_group import CommGroup
+
+if TYPE_CHECKING:
+    from shardspeed.runtime.zero.state_swap import SwapStore
 
 
 class FlatShard:
@@ -55,6 +64,52 @@ class FlatShard:
         #: this rank's chunk, the only part kept between uses
         self.shard = self.full[self.chunk_slice].clone() if comm_group.partitioned else self.full
         self.gathered = True
+        #: where the shard is swapped to under NVMe parameter offload, and its key there
+        self.store: SwapStore | None = None
+        self.key = ""
+
+    @torch.no_grad()
+    def offload(self, host: torch.device | None, store: SwapStore | None, key: str) -> None:
+        """Keep the shard in ``host`` memory (``offload_param.device: cpu``) or in ``store``
+        under ``key`` (``nvme``) between uses. With one rank the shard is the full buffer:
+        releasing it then swaps it out."""
+        if host is not None and self.comm.partitioned and self.shard.device != host:
+            self.shard = self.shard.to(host)
+        if store is None or self.store is not None:
+            return
+        self.store, self.key = store, key
+        store.register(key, self.shard)
+        if not self.comm.partitioned and self.gathered:
+            store.pin(key, True)  # in use now: written out when released
+            store.touch([key])
+        else:
+            store.evict(key, self.shard)
+
+    @torch.no_grad()
+    def set_shard(self, values: torch.Tensor) -> None:
+        """Write this rank's shard (e.g. the optimizer's updated fp32 master, cast), wherever
+        it lives."""
+        self._shard_in()
+        self.shard.copy_(values)
+        if self.store is not None:
+            self.store.touch([self.key])
+            if self.comm.partitioned or not self.gathered:
+                self.store.evict(self.key, self.shard)
+
+    def _shard_in(self) -> None:
+        if self.store is not None:
+            self.store.fetch(self.key, self.shard)
+
+    def shard_out(self) -> None:
+        """The gather is done: the shard leaves memory again (parameter offload)."""
+        if self.store is not None and self.comm.partitioned:
+            self.store.evict(self.key, self.shard)
+
+    def _source(self) -> torch.Tensor:
+        """The shard on the full buffer's device (a copy when it lives in host memory)."""
+        return (
+            self.shard if self.shard.device == self.full.device else self.shard.to(self.full.device)
+        )
 
     @property
     def chunk_slice(self) -> slice:
@@ -66,24 +121,42 @@ class FlatShard:
         collective's work handle (None if there is nothing to wait for)."""
         if self.gathered:
             return None
-        self.full.untyped_storage().resize_(self._nbytes)
+        self._shard_in()
         self.gathered = True
+        if not self.comm.partitioned:  # the shard is the full buffer: swapped in, in use
+            if self.store is not None:
+                self.store.pin(self.key, True)
+            return None
+        self.full.untyped_storage().resize_(self._nbytes)
         return comm.all_gather_into_tensor(
-            self.full, self.shard, group=self.comm.group, async_op=True
+            self.full, self._source(), group=self.comm.group, async_op=True
         )
 
     def refresh(self) -> Any:
-        """All-gather the (updated) shards into a full buffer that is gathered already."""
+        """All-gather the (updated) shards into a full buffer that is gathered already
+        (waited for here when the shard is swapped)."""
         if not self.gathered or not self.comm.partitioned:
             return None
-        return comm.all_gather_into_tensor(
-            self.full, self.shard, group=self.comm.group, async_op=True
+        self._shard_in()
+        work = comm.all_gather_into_tensor(
+            self.full, self._source(), group=self.comm.group, async_op=True
         )
+        if self.store is None:
+            return work
+        work.wait()
+        self.shard_out()
+        return None
 
     def release(self) -> None:
-        """Free the full buffer's memory (a no-op with one rank)."""
-        if self.gathered and self.comm.partitioned:
+        """Free the full buffer's memory (with one rank only when the shard is swapped)."""
+        if not self.gathered:
+            return
+        if self.comm.partitioned:
             self.full.untyped_storage().resize_(0)
+            self.gathered = False
+        elif self.store is not None:
+            self.store.pin(self.key, False)
+            self.store.evict(self.key, self.shard)
             self.gathered = False
 
     def holds(self, param: torch.Tensor) -> bool:
@@ -105,7 +178,11 @@ class FlatShard:
         there, e.g. by ``load_state_dict``."""
         assert self.gathered, "only a gathered buffer holds full values"
         if self.comm.partitioned:
+            self._shard_in()
             self.shard.copy_(self.full[self.chunk_slice])
+        if self.store is not None:
+            self.store.touch([self.key])
+            self.shard_out()
 
 
 def pack_flat_shards(params: Sequence[nn.Parameter], comm_group: CommGroup) -> list[FlatShard]:

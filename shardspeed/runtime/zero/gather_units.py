@@ -77,6 +77,8 @@ class GatherUnit:
         for work in self.pending:
             work.wait()
         self.pending = []
+        for flat in self.flats:  # parameter offload: the shards leave memory again
+            flat.shard_out()
         self._set_state(ParamState.GATHERED)
 
     def gather(self) -> None:

@@ -86,6 +86,48 @@ class OptimizerOffload:
             check_nvme_path(self.nvme_path, "zero_optimization.offload_optimizer.nvme_path")
 
 
+@dataclass(frozen=True)
+class ParamOffload:
+    """The ``offload_param`` section (ZeRO stage 3): where parameter shards live between
+    uses. ``buffer_count``, ``buffer_size`` and ``max_in_cpu`` are accepted and not used: a
+    shard is read straight into its own memory, which exists only while it is needed."""
+
+    device: str = NONE
+    nvme_path: Path | None = None
+    pin_memory: bool = False
+
+    @classmethod
+    def from_config(cls, zero: Any) -> ParamOffload:
+        section = getattr(zero, "offload_param", None)
+        if section is None:
+            return cls()
+        return cls(
+            device=str(getattr(section.device, "value", section.device)),
+            nvme_path=section.nvme_path,
+            pin_memory=bool(section.pin_memory),
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return self.device != NONE
+
+    @property
+    def to_nvme(self) -> bool:
+        return self.device == NVME
+
+    def check(self, stage: int) -> None:
+        if not self.enabled:
+            return
+        if stage != 3:
+            raise ValueError(
+                f'zero_optimization.offload_param.device="{self.device}" needs ZeRO stage 3 (only '
+                f"stage 3 partitions the parameters; this is stage {stage}); set "
+                'zero_optimization.stage to 3 or offload_param.device to "none"'
+            )
+        if self.to_nvme:
+            check_nvme_path(self.nvme_path, "zero_optimization.offload_param.nvme_path")
+
+
 def check_nvme_path(path: Path | None, key: str) -> Path:
     """``path`` as a writable folder, or an error naming ``key`` and the fix."""
     if path is None:

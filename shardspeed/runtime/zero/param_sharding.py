@@ -49,6 +49,7 @@ from shardspeed.runtime.zero.module_agreement import (
 )
 from shardspeed.runtime.zero.prefetcher import Prefetcher
 from shardspeed.runtime.zero.records import ParamRecord, ParamRegistry, record_of
+from shardspeed.runtime.zero.state_swap import SwapStore
 from shardspeed.runtime.zero.zero_parameter import mark_partitioned, unmark_partitioned
 
 
@@ -107,7 +108,25 @@ class ParamSharding:
         self.agreement = ModuleAgreement(comm, self.units)
         self.registry = registry
         self._param_count = sum(1 for _ in module.parameters())
+        #: parameter offload: the host memory or the NVMe store shards live in between uses
+        self._offload_host: torch.device | None = None
+        self._offload_store: SwapStore | None = None
         self.prefetcher = Prefetcher(self.units, options, self.live_numel)
+
+    def offload_to(self, host: torch.device | None, store: SwapStore | None) -> None:
+        """``offload_param``: from now on the non-persistent units' shards live in ``host``
+        memory or in ``store``'s files between uses."""
+        self._offload_host, self._offload_store = host, store
+        self._offload_units()
+
+    def _offload_units(self) -> None:
+        if self._offload_host is None and self._offload_store is None:
+            return
+        for unit in self.units:
+            if unit.persistent:
+                continue
+            for number, flat in enumerate(unit.flats):
+                flat.offload(self._offload_host, self._offload_store, f"unit{unit.index}_{number}")
 
     # -- setting up -------------------------------------------------------------------------
     @torch.no_grad()
@@ -180,6 +199,7 @@ class ParamSharding:
             unit.flats = flats + pack_flat_shards([r.param for r in rest], self.comm)
             if not was_gathered:
                 unit.release()
+        self._offload_units()
         return [adopted[bucket.index] for bucket in buckets]
 
     @staticmethod

@@ -6,7 +6,7 @@ from typing import Any
 
 from torch import nn
 
-from shardspeed.runtime.zero.offload import OptimizerOffload
+from shardspeed.runtime.zero.offload import OptimizerOffload, ParamOffload
 from shardspeed.runtime.zero.partitioned import (
     GradientPartitionStrategy,
     OptimizerStateStrategy,
@@ -63,13 +63,7 @@ def check_zero_config(zero: Any) -> None:
             "zero_optimization.mics_shard_size (MiCS) is not yet supported in shardspeed; "
             "remove the key or set it to -1"
         )
-    param_offload = getattr(zero, "offload_param", None)
-    param_device = getattr(getattr(param_offload, "device", None), "value", "none")
-    if param_offload is not None and param_device != "none":
-        raise NotImplementedError(
-            f'zero_optimization.offload_param.device="{param_device}" is not yet supported in '
-            'shardspeed; remove offload_param or set its device to "none"'
-        )
+    ParamOffload.from_config(zero).check(int(zero.stage))
     OptimizerOffload.from_config(zero).check(int(zero.stage))
 
 

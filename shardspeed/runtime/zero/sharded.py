@@ -107,6 +107,10 @@ class ParamPartitionStrategy(PartitionedStrategy):
         self.sharding.shard(
             dtype if dtype != torch.float32 else None, device, src if dp.partitioned else None
         )
+        if self.param_offload.enabled:
+            host = torch.device("cpu") if self.param_offload.device == "cpu" else None
+            store = self.swap_store() if self.param_offload.to_nvme else None
+            self.sharding.offload_to(host, store)
 
     def make_group(self, records: list[ParamRecord], comm_group: CommGroup) -> ShardGroup:
         return ShardedParamsGroup(

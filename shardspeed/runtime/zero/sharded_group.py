@@ -71,6 +71,16 @@ class ShardedParamsGroup(PartitionedGroup):
     def _opt_group(bucket: GradBucket) -> int:
         return int(bucket.key[1])  # type: ignore[index]  # split by (unit, opt group)
 
+    @torch.no_grad()
+    def after_step(self) -> None:
+        """The updated fp32 masters into the shards (cast; a shard swapped to NVMe is read,
+        written and swapped out again), then gathered units follow."""
+        for flat, master in zip(self.shards, self.master_chunks, strict=True):
+            if master is not flat.shard:
+                flat.set_shard(master)
+        if self.comm.partitioned:
+            self._gather_params()
+
     def _gather_params(self) -> None:
         # released buffers are gathered by the next forward; gathered ones must follow now
         works = [w for flat in self.shards if (w := flat.refresh()) is not None]

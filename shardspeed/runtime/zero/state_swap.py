@@ -1,4 +1,5 @@
-"""ZeRO-Infinity's optimizer-state swapping: ``offload_optimizer.device: nvme``.
+"""ZeRO-Infinity's NVMe swapping: ``offload_optimizer.device: nvme`` (the optimizer state)
+and ``offload_param.device: nvme`` (stage 3's parameter shards).
 
 Between steps the optimizer state of the offloaded masters (Adam's ``exp_avg`` and
 ``exp_avg_sq``, every state tensor the size of its master) lives in files under ``nvme_path``
@@ -8,8 +9,10 @@ sub-groups' state is in memory at once. Each file is preallocated before its fir
 full disk is found before any state is overwritten; a failed read or write stops the step with
 the file named, and the state on disk stays the last complete one.
 
-The masters stay in memory: with fp32 parameters they are the parameters' own partition (no
-copy anywhere); with fp16/bf16 parameters the fp32 copies stay in host memory.
+The masters stay in memory, unless they are stage 3 parameter shards offloaded with
+``offload_param``: then the shard is read before its unit is gathered and before its
+sub-group steps, and leaves memory after (written back only when it changed). With fp16/bf16
+parameters the fp32 master copies stay in host memory.
 """
 
 from __future__ import annotations
@@ -33,11 +36,12 @@ def _resident(tensor: torch.Tensor) -> bool:
 Item = tuple[str, torch.Tensor]
 
 
-class OptimizerStateSwap:
-    """Keeps optimizer state tensors in files between steps, one file per (master, state)."""
+class SwapStore:
+    """Keeps tensors in files while they are not in use, one file per key: optimizer state
+    (one per master and state) and parameter shards (registered ones)."""
 
     def __init__(self, folder: Path, rank: int, aio: Any = None, pin_memory: bool = False) -> None:
-        self.folder = Path(folder) / f"optimizer_rank{rank}"
+        self.folder = Path(folder) / f"swap_rank{rank}"
         self.folder.mkdir(parents=True, exist_ok=True)
         from shardspeed.runtime.swap.swapper import TensorSwapper
 
@@ -47,17 +51,46 @@ class OptimizerStateSwap:
         #: keys whose file holds the current value of a tensor with no memory now
         self._on_disk: set[str] = set()
         self._writes: list[tuple[Item, SwapHandle]] = []
+        #: keys whose file matches the tensor in memory (read and not changed since)
+        self._clean: set[str] = set()
+        #: registered tensors (parameter shards), by id
+        self._registered: dict[int, str] = {}
+        #: keys whose tensor is in use and must stay in memory (still written when asked)
+        self._pinned: set[str] = set()
 
-    @staticmethod
-    def items(optimizer: torch.optim.Optimizer, masters: Sequence[torch.Tensor]) -> list[Item]:
-        """The state tensors of ``masters`` that are as large as their master (scalars such as
-        ``step`` stay), keyed by the master's position and the state's name."""
-        found: list[Item] = []
-        for index, master in enumerate(masters):
-            for name, value in sorted(optimizer.state.get(master, {}).items()):
-                if isinstance(value, torch.Tensor) and value.numel() == master.numel() > 1:
-                    found.append((f"master{index}_{name}", value))
-        return found
+    # -- registered tensors (parameter shards) ---------------------------------------------
+    def register(self, key: str, tensor: torch.Tensor) -> None:
+        """``tensor`` is swapped under ``key`` from now on (written out by :meth:`evict`)."""
+        self._registered[id(tensor)] = key
+
+    def key_of(self, tensor: torch.Tensor) -> str | None:
+        return self._registered.get(id(tensor))
+
+    def fetch(self, key: str, tensor: torch.Tensor) -> None:
+        """``tensor`` in memory (read back now if it is on disk)."""
+        self.finish_writes()
+        self.wait(self.start_reads([(key, tensor)]))
+
+    def evict(self, key: str, tensor: torch.Tensor) -> None:
+        """``tensor`` out of memory: written first unless its file already holds it."""
+        if key in self._clean and key in self._nbytes and _resident(tensor):
+            tensor.untyped_storage().resize_(0)
+            self._on_disk.add(key)
+            self._clean.discard(key)
+            return
+        self.start_writes([(key, tensor)])
+        self.finish_writes()
+
+    def pin(self, key: str, pinned: bool) -> None:
+        """While pinned, ``key``'s tensor is in use: writes keep it in memory."""
+        if pinned:
+            self._pinned.add(key)
+        else:
+            self._pinned.discard(key)
+
+    def touch(self, keys: Sequence[str]) -> None:
+        """The tensors of ``keys`` were changed in memory: their files are stale."""
+        self._clean.difference_update(keys)
 
     # -- moving -----------------------------------------------------------------------------
     def start_reads(self, items: Sequence[Item]) -> list[SwapHandle]:
@@ -67,6 +100,7 @@ class OptimizerStateSwap:
             if key in self._on_disk and not _resident(tensor):
                 tensor.untyped_storage().resize_(self._nbytes[key])
                 handles.append(self.swapper.read(key, tensor))
+                self._clean.add(key)
             self._on_disk.discard(key)
         return handles
 
@@ -87,8 +121,12 @@ class OptimizerStateSwap:
         for _, handle in writes:
             handle.wait()
         for (key, tensor), _ in writes:
+            if key in self._pinned:  # in use: the file now matches it, the memory stays
+                self._clean.add(key)
+                continue
             tensor.untyped_storage().resize_(0)
             self._on_disk.add(key)
+            self._clean.discard(key)
 
     @staticmethod
     def wait(handles: Sequence[SwapHandle]) -> None:
@@ -105,13 +143,16 @@ class OptimizerStateSwap:
         try:
             yield
         finally:
+            self.touch([key for key, _ in was_out])
             self.start_writes(was_out)
             self.finish_writes()
 
     def forget(self) -> None:
-        """The optimizer's state was replaced (a checkpoint loaded): nothing is on disk."""
+        """The optimizer's state was replaced (a checkpoint loaded): no state is on disk."""
         self.finish_writes()
-        self._on_disk.clear()
+        shards = set(self._registered.values())
+        self._on_disk.intersection_update(shards)
+        self._clean.intersection_update(shards)
 
     def close(self) -> None:
         self.finish_writes()

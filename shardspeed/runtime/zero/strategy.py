@@ -45,11 +45,11 @@ from shardspeed.runtime.precision.autocast import lower_precision_safe_params
 from shardspeed.runtime.precision.policy import PrecisionPolicy
 from shardspeed.runtime.zero.comm_group import CommGroup
 from shardspeed.runtime.zero.grad_norm import GradSquares
-from shardspeed.runtime.zero.offload import OptimizerOffload
+from shardspeed.runtime.zero.offload import OptimizerOffload, ParamOffload
 from shardspeed.runtime.zero.records import ParamRecord, ParamRegistry, record_of
 from shardspeed.runtime.zero.reduce_options import GradReduceOptions
 from shardspeed.runtime.zero.shard_group import GroupOptions, ParamFragment, ShardGroup
-from shardspeed.runtime.zero.state_swap import OptimizerStateSwap
+from shardspeed.runtime.zero.state_swap import SwapStore
 from shardspeed.runtime.zero.sub_group_step import SubGroupStepper
 
 __all__ = [
@@ -105,7 +105,9 @@ class ZeroStrategy:
         self.registry = ParamRegistry(module, self)
         self._mark_autocast_comm_dtypes()
         self.offload = OptimizerOffload.from_config(ctx.zero_config)
+        self.param_offload = ParamOffload.from_config(ctx.zero_config)
         self.placement = self.offload.placement(ctx.device)
+        self._swap_store: SwapStore | None = None
         self.groups: list[ShardGroup] = []
         self.optimizer: torch.optim.Optimizer | None = None
         self.stepper = SubGroupStepper(0, None, [])
@@ -227,16 +229,24 @@ class ZeroStrategy:
         here every stage), with the offloaded masters' state swapped to NVMe if configured."""
         size = int(getattr(self.ctx.zero_config, "sub_group_size", 0) or 0)
         offloaded = [m for group in self.groups for m in group.offloaded_masters()]
-        swap = None
-        if self.offload.to_nvme and offloaded:
-            assert self.offload.nvme_path is not None  # checked with the config
-            swap = OptimizerStateSwap(
-                self.offload.nvme_path,
+        swapped = offloaded if self.offload.to_nvme else []
+        swap = self.swap_store() if swapped or self.param_offload.to_nvme else None
+        return SubGroupStepper(size, swap, swapped)
+
+    def swap_store(self) -> SwapStore:
+        """The files NVMe offload swaps to (made on first use): the optimizer's
+        ``nvme_path`` if it offloads there, else the parameters'."""
+        if self._swap_store is None:
+            folder = self.offload.nvme_path if self.offload.to_nvme else None
+            folder = folder or self.param_offload.nvme_path
+            assert folder is not None, "an NVMe offload section names its folder"
+            self._swap_store = SwapStore(
+                folder,
                 comm.get_rank() if comm.is_initialized() else 0,
                 self.ctx.aio,
-                pin_memory=self.offload.pin_memory,
+                pin_memory=self.offload.pin_memory or self.param_offload.pin_memory,
             )
-        return SubGroupStepper(size, swap, offloaded)
+        return self._swap_store
 
     # -- backward: every group in turn ------------------------------------------------------
     def begin_backward(self, reduce: bool) -> None:
@@ -357,8 +367,8 @@ class ZeroStrategy:
 
     def destroy(self) -> None:
         """Remove the hooks this strategy installed and forget its parameters."""
-        if self.stepper.swap is not None:
-            self.stepper.swap.close()
+        if self._swap_store is not None:
+            self._swap_store.close()
         for group in self.groups:
             group.destroy()
         self.registry.forget()

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from shardspeed.runtime.zero.state_swap import Item, OptimizerStateSwap
+from shardspeed.runtime.zero.state_swap import Item, SwapStore
 
 #: (optimizer parameter group index, the tensors of that group stepped together)
 Run = tuple[int, list[torch.Tensor]]
@@ -39,9 +39,7 @@ class SubGroupStepper:
     """Steps ``optimizer`` run by run, swapping the state of ``swapped`` tensors (by id) in
     and out through ``swap`` when one is given."""
 
-    def __init__(
-        self, size: int, swap: OptimizerStateSwap | None, swapped: Sequence[torch.Tensor]
-    ) -> None:
+    def __init__(self, size: int, swap: SwapStore | None, swapped: Sequence[torch.Tensor]) -> None:
         self.size = size
         self.swap = swap
         self._swapped = {id(t) for t in swapped}
@@ -56,6 +54,9 @@ class SubGroupStepper:
             return []
         items: list[Item] = []
         for tensor in tensors:
+            shard_key = self.swap.key_of(tensor)  # a parameter shard stepped in place
+            if shard_key is not None:
+                items.append((shard_key, tensor))
             if id(tensor) not in self._swapped:
                 continue
             state = optimizer.state.get(tensor, {})
@@ -91,7 +92,9 @@ class SubGroupStepper:
                 optimizer.step()
                 if swap is not None:
                     swap.finish_writes()  # the sub-group before: at most three in memory
-                    swap.start_writes(self.state_items(optimizer, run))
+                    stepped = self.state_items(optimizer, run)
+                    swap.touch([key for key, _ in stepped])
+                    swap.start_writes(stepped)
             if swap is not None:
                 swap.finish_writes()
         finally:

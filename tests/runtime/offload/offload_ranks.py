@@ -60,12 +60,28 @@ def state_bytes_in_memory(engine: Any) -> int:
     )
 
 
+def shard_bytes_in_memory(engine: Any) -> int:
+    """Bytes of stage 3's parameter shards (non-persistent units) held in memory."""
+    return sum(
+        flat.shard.untyped_storage().nbytes()
+        for unit in engine.strategy.sharding.units
+        if not unit.persistent
+        for flat in unit.flats
+    )
+
+
 def nvme_trains_like_no_offload(
-    stage: int, folder: str, ratio: float = 1.0, sub_group: int = 0, gas: int = 2
+    stage: int,
+    folder: str,
+    ratio: float = 1.0,
+    sub_group: int = 0,
+    gas: int = 2,
+    params: bool = False,
+    optimizer: bool = True,
 ) -> dict[str, float]:
-    """The same model trained with and without NVMe optimizer offload: equal losses and
-    parameters every step; between steps the offloaded state holds no memory and lives in
-    files of the expected size."""
+    """The same model trained with and without NVMe offload (of the optimizer state, and with
+    ``params`` of stage 3's parameter shards): equal losses and parameters every step; between
+    steps what is offloaded holds no memory and lives in files of the expected size."""
     torch.manual_seed(0)
     task = make_task("gpt", rows=6 * 2 * gas * dist.get_world_size())
     base = task.build()
@@ -73,12 +89,12 @@ def nvme_trains_like_no_offload(
     if sub_group:
         zero["sub_group_size"] = sub_group
     plain = _engine(copy.deepcopy(base), stage, gas=gas, zero=zero)
-    offloaded = _engine(
-        copy.deepcopy(base),
-        stage,
-        gas=gas,
-        zero={**zero, "offload_optimizer": offload_section("nvme", folder, ratio)},
-    )
+    offload: dict[str, Any] = {}
+    if optimizer:
+        offload["offload_optimizer"] = offload_section("nvme", folder, ratio)
+    if params:
+        offload["offload_param"] = {"device": "nvme", "nvme_path": folder}
+    offloaded = _engine(copy.deepcopy(base), stage, gas=gas, zero={**zero, **offload})
     x, y = task.data
     state_total = 0
     for step in range(6):
@@ -92,13 +108,15 @@ def nvme_trains_like_no_offload(
                 losses.append(loss.detach())
             torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=1e-7)
         state_total = state_bytes_in_memory(plain)
-    params = [*plain.module.parameters(), *offloaded.module.parameters()]
-    with shardspeed.zero.GatheredParameters(params):
+    both = [*plain.module.parameters(), *offloaded.module.parameters()]
+    with shardspeed.zero.GatheredParameters(both):
         for p, q in zip(plain.module.parameters(), offloaded.module.parameters(), strict=True):
             torch.testing.assert_close(q.detach(), p.detach(), rtol=1e-6, atol=1e-7)
-    files = sorted(Path(folder).glob(f"optimizer_rank{dist.get_rank()}/*"))
+    files = sorted(Path(folder).glob(f"swap_rank{dist.get_rank()}/*"))
     on_disk = sum(f.stat().st_size for f in files)
     result = {
+        "shards_in_memory": float(shard_bytes_in_memory(offloaded) if params else -1),
+        "shards_reference": float(shard_bytes_in_memory(plain) if params else -1),
         "state_in_memory": float(state_bytes_in_memory(offloaded)),
         "state_reference": float(state_total),
         "files": float(len(files)),

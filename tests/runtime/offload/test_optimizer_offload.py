@@ -72,3 +72,27 @@ def test_nvme_offload_matches_and_frees_the_state(dist_pool, tmp_path, stage, ra
 def test_checkpoints_load_across_offload(dist_pool, tmp_path, stage):
     curves = dist_pool(2).run(offload_ranks.checkpoints_cross_offload, stage, str(tmp_path))
     assert all(len(curve) == 3 for curve in curves)  # each rank: four equal curves
+
+
+@pytest.mark.parametrize("optimizer", [True, False], ids=["and-optimizer", "params-only"])
+@pytest.mark.parametrize("world", [1, 2], ids=["w1", "w2"])
+def test_stage3_parameter_offload_to_nvme(dist_pool, tmp_path, world, optimizer):
+    """ZeRO-Infinity: stage 3's parameter shards (and the optimizer state) in files between
+    uses; training equals no offload, and between steps no shard holds memory."""
+    results = dist_pool(world).run(
+        offload_ranks.nvme_trains_like_no_offload,
+        3,
+        str(tmp_path),
+        1.0,
+        3000,
+        2,
+        True,
+        optimizer,
+    )
+    for result in results:
+        assert result["shards_reference"] > 0
+        assert result["shards_in_memory"] == 0
+        assert result["bytes_on_disk"] >= result["shards_reference"] + (
+            result["state_reference"] if optimizer else 0
+        )
+        assert (result["state_in_memory"] == 0) == optimizer

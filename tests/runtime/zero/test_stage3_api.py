@@ -33,13 +33,31 @@ def test_eval_state_dict_and_gathered_parameters(dist_pool):
     [
         ({"zero_hpz_partition_size": 2}, "zero_hpz_partition_size"),
         ({"mics_shard_size": 2}, "mics_shard_size"),
-        ({"offload_param": {"device": "cpu"}}, "offload_param.device"),
         ({"zero_quantized_weights": True}, "zero_quantized_weights"),
     ],
 )
 def test_features_not_built_yet_are_refused_by_name(keys, named):
     zero = DeepSpeedZeroConfig(stage=3, **keys)
     with pytest.raises(NotImplementedError, match=named):
+        check_zero_config(zero)
+
+
+@pytest.mark.parametrize(
+    ("stage", "keys", "named"),
+    [
+        (2, {"offload_param": {"device": "cpu"}}, "offload_param.device.*needs ZeRO stage 3"),
+        (3, {"offload_param": {"device": "nvme"}}, "offload_param.nvme_path is required"),
+        (0, {"offload_optimizer": {"device": "cpu"}}, "needs ZeRO stage 1, 2 or 3"),
+        (
+            3,
+            {"offload_optimizer": {"device": "nvme", "nvme_path": "/no/such/folder"}},
+            "not an existing folder",
+        ),
+    ],
+)
+def test_offload_misconfigurations_name_the_fix(stage, keys, named):
+    zero = DeepSpeedZeroConfig(stage=stage, **keys)
+    with pytest.raises(ValueError, match=named):
         check_zero_config(zero)
 
 
