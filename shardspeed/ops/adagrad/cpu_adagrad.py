@@ -27,6 +27,9 @@ from shardspeed.ops.multi_tensor import (
     step_tensor,
 )
 
+#: dtypes torch's fused CPU Adagrad kernel updates (parameter, gradient and sum all alike)
+_FUSED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
 
 def adagrad_update(
     params: list[torch.Tensor],
@@ -89,6 +92,10 @@ class DeepSpeedCPUAdagrad(MultiTensorOptimizer):
             self.state[p]["step"] += 1
         hyper = dict(lr=float(group["lr"]), eps=group["eps"], weight_decay=group["weight_decay"])
         dense = [p for p in params if not p.grad.is_sparse]  # type: ignore[union-attr]
+        fused = [p for p in dense if self._cpu_fusable(p)]
+        if fused:
+            self._fused_update(fused, hyper)
+            dense = [p for p in dense if not self._cpu_fusable(p)]
         if dense:
             p_work = WorkList(dense)
             v_work = WorkList([self.state[p]["exp_avg_sq"] for p in dense], like=dense)
@@ -98,6 +105,37 @@ class DeepSpeedCPUAdagrad(MultiTensorOptimizer):
         for p in params:
             if p.grad.is_sparse:  # type: ignore[union-attr]
                 self._sparse_update(p, hyper)
+
+    def _cpu_fusable(self, param: torch.Tensor) -> bool:
+        """Whether torch's fused CPU Adagrad kernel can update ``param`` (one memory pass)."""
+        grad, state = param.grad, self.state[param]
+        tensors = (param, grad, state["exp_avg_sq"])
+        return (
+            param.dtype in _FUSED_DTYPES
+            and all(t is not None and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+            and all(t is not None and t.dtype == param.dtype for t in tensors)
+            and torch.is_tensor(state["step"])
+            and state["step"].device.type == "cpu"
+        )
+
+    def _fused_update(self, params: list[torch.Tensor], hyper: dict[str, float]) -> None:
+        # lr_decay=0 makes the kernel's lr / (1 + (step - 1) * lr_decay) exactly lr; the
+        # kernel adds weight decay to a copy of the gradient, leaving p.grad as it was
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in params:
+            by_dtype.setdefault(p.dtype, []).append(p)
+        for group in by_dtype.values():
+            torch._fused_adagrad_(
+                group,
+                [p.grad for p in group if p.grad is not None],  # all have one (_cpu_fusable)
+                [self.state[p]["exp_avg_sq"] for p in group],
+                [self.state[p]["step"] for p in group],
+                lr=hyper["lr"],
+                lr_decay=0.0,
+                weight_decay=hyper["weight_decay"],
+                eps=hyper["eps"],
+                maximize=False,
+            )
 
     def _sparse_update(self, param: torch.Tensor, hyper: dict[str, float]) -> None:
         # duplicate indices (e.g. a token seen twice in a batch) must be summed first
