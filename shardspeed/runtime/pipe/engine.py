@@ -127,6 +127,12 @@ class PipelineEngine(DeepSpeedEngine):
     def step(self, *args: Any, **kwargs: Any) -> None:
         raise PipelineError("Only train_batch() is accessible in pipeline mode.")
 
+    def coalesce_grad_reduction(self) -> Any:  # type: ignore[override]
+        raise NotImplementedError(
+            "coalesce_grad_reduction() is not available under pipeline parallelism: "
+            "train_batch() already reduces gradients once per batch"
+        )
+
     # -- queries and setters ----------------------------------------------------------------
     def is_first_stage(self) -> bool:
         return self.stage_id == 0

@@ -382,3 +382,78 @@ def module_api() -> None:
     grid = module.mpu()
     assert grid.get_data_parallel_world_size() == 1 and grid.get_pipe_parallel_world_size() == 2
     assert grid.stage_to_global(1) == 1 and grid.get_model_parallel_world_size() == 2
+
+
+class _Split(torch.nn.Module):
+    """tokens -> (hidden, mask, scale): a float that needs grad, a bool and a float that
+    do not travel with gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(TINY.vocab_size, TINY.n_embd)
+
+    def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.embed(tokens), tokens % 2 == 0, torch.full((tokens.shape[0], 1, 1), 0.5)
+
+
+class _Mix(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(TINY.n_embd, TINY.n_embd)
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        hidden, mask, scale = inputs
+        return torch.tanh(self.lin(hidden)) * (1 + mask.unsqueeze(-1)) * scale, mask, scale
+
+
+class _Head(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = torch.nn.Linear(TINY.n_embd, TINY.vocab_size)
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return self.out(inputs[0])  # type: ignore[no-any-return]
+
+
+def tuple_messages() -> None:
+    """Stages exchange tuples holding tensors that need no gradient (a bool mask, a constant),
+    micro-batches go through set_batch_fn, and training equals the single-process layers."""
+    from shardspeed.pipe import PipelineModule
+
+    torch.manual_seed(0)
+    layers = [_Split(), _Mix(), _Mix(), _Head()]
+    reference = copy.deepcopy(layers)
+    module = PipelineModule(
+        copy.deepcopy(layers), num_stages=2, loss_fn=loss_fn, partition_method="uniform"
+    )
+    engine, *_ = shardspeed.initialize(model=module, config=config(2, 2, 0.0))
+    engine.set_batch_fn(lambda batch: (batch["tokens"], batch["targets"]))
+    params = [p for layer in reference for p in layer.parameters()]
+    optimizer = torch.optim.AdamW(params, **OPT_PARAMS)
+    data = synthetic_tokens(12, TINY, seed=8)
+    for k in range(3):
+        rows = [slice((2 * k + j) * 2, (2 * k + j + 1) * 2) for j in range(2)]
+        micro = [{"tokens": data.tensors[0][r], "targets": data.tensors[1][r]} for r in rows]
+        loss = engine.train_batch(iter(micro))
+        optimizer.zero_grad()
+        outs = []
+        for m in micro:
+            x: Any = m["tokens"]
+            for layer in reference:
+                x = layer(x)
+            outs.append(loss_fn(x, m["targets"]))
+        expected = torch.stack(outs).mean()
+        expected.backward()
+        optimizer.step()
+        assert_close(loss, expected.detach(), f"step {k} loss", 1e-5, 1e-5)
+    for index, layer in module.layer_modules().items():
+        for name, value in layer.state_dict().items():
+            assert_close(value, reference[index].state_dict()[name], name, 1e-5, 1e-5)
+    try:
+        with engine.coalesce_grad_reduction():
+            pass
+    except NotImplementedError:
+        pass
+    else:
+        raise AssertionError("coalesce_grad_reduction() must refuse under pipeline parallelism")
+    engine.destroy()

@@ -41,3 +41,7 @@ def test_changing_input_shapes(dist_pool, dynamic):
 
 def test_module_builds_only_its_stage(dist_pool):
     dist_pool(2).run(ranks.module_api)
+
+
+def test_tuple_messages_and_batch_fn(dist_pool):
+    dist_pool(2).run(ranks.tuple_messages)
