@@ -39,3 +39,11 @@ def test_tensor_constructor_wrapper_names() -> None:
     arange = pp.zero_wrapper_for_fp_tensor_constructor(torch.arange, torch.float16)
     assert arange(4).dtype == torch.int64  # integer results keep their dtype
     assert arange(4, dtype=torch.float32).dtype == torch.float16
+
+
+def test_gathered_parameters_skips_none() -> None:
+    # Transformers' resize_token_embeddings passes [weight, bias] of a Linear without bias
+    head = torch.nn.Linear(4, 8, bias=False)
+    with pp.GatheredParameters([head.weight, head.bias], modifier_rank=0) as gathered:
+        assert gathered is None
+    assert pp.GatheredParameters([head.bias, None]).params == []

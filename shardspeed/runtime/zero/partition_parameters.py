@@ -71,7 +71,9 @@ def _as_list(params: Any) -> list[torch.Tensor]:
         return []
     if isinstance(params, torch.Tensor):
         return [params]
-    return list(params)
+    # None entries are skipped, as DeepSpeed does: HF passes [weight, bias] for a Linear
+    # whose bias is None
+    return [p for p in params if p is not None]
 
 
 def _units_of(params: Iterable[torch.Tensor]) -> list[GatherUnit]:

@@ -3,7 +3,7 @@
 Usage: ``<launcher> trainer_cases.py OUT [--cases ddp,z2,z3] [--config-file]``. One process group
 serves every sub-case, in order. Each sub-case builds ``TrainingArguments`` first and only then
 ``from_pretrained`` (so under ZeRO-3 ``HfDeepSpeedConfig`` makes ``zero.Init`` partition the
-model while it loads), trains ``MAX_STEPS`` steps with a checkpoint every ``SAVE_STEPS``,
+model while it loads), grows the vocabulary (``resize_token_embeddings``), trains ``MAX_STEPS`` steps with a checkpoint every ``SAVE_STEPS``,
 scores the trained model, ``save_model()``s it, and trains again from a fresh load resuming
 from the first checkpoint. Each rank writes ``OUT/<case>/rank<R>.json``.
 
@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from hf_common import (
+    VOCAB,
     RandomTokens,
     arguments,
     deepspeed_state_on_cpu,
@@ -32,6 +33,7 @@ from hf_common import (
 
 from shardspeed import comm
 
+EXTRA_TOKENS = 8
 MAX_STEPS = 4
 SAVE_STEPS = 2
 #: case -> (ZeRO stage or None for plain DDP, DeepSpeed builds the optimizer from the config)
@@ -73,6 +75,13 @@ def training_args(out: Path, stage: int | None, deepspeed: Any) -> Any:
     )
 
 
+def grow_vocabulary(model: Any) -> None:
+    """``resize_token_embeddings`` by ``EXTRA_TOKENS`` (under ZeRO-3 it gathers the old
+    embedding and head to copy them); the new rows come from the same seed in every case."""
+    torch.manual_seed(1)
+    model.resize_token_embeddings(VOCAB + EXTRA_TOKENS, mean_resizing=False)
+
+
 def losses(trainer: Any) -> dict[int, float]:
     return {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
 
@@ -96,6 +105,7 @@ def run_case(name: str, root: Path, init_dir: Path, config_file: bool) -> dict[s
     args = training_args(case_dir / "run", stage, deepspeed)
     model = LlamaForCausalLM.from_pretrained(str(init_dir))
     result["loaded_bytes"] = shard_bytes(model)
+    grow_vocabulary(model)
     trainer = Trainer(model=model, args=args, train_dataset=RandomTokens())
     trainer.train()
     result["losses"] = losses(trainer)
@@ -107,6 +117,7 @@ def run_case(name: str, root: Path, init_dir: Path, config_file: bool) -> dict[s
 
     args = training_args(case_dir / "resumed", stage, deepspeed)
     model = LlamaForCausalLM.from_pretrained(str(init_dir))
+    grow_vocabulary(model)
     trainer = Trainer(model=model, args=args, train_dataset=RandomTokens())
     trainer.train(resume_from_checkpoint=str(case_dir / "run" / f"checkpoint-{SAVE_STEPS}"))
     result["resumed_losses"] = losses(trainer)
