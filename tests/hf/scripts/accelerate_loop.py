@@ -2,8 +2,9 @@
 (shardspeed) at ZeRO 2 and 3, gradient accumulation through ``accelerator.accumulate``.
 
 Usage: ``<launcher> accelerate_loop.py OUT``. Rank 0 writes ``OUT/accelerate.json``: per case the
-mean loss of every micro-batch across ranks, the trained model's score, and under ZeRO-3 the
-bytes each rank held after ``from_pretrained``.
+mean loss of every micro-batch across ranks, the trained model's score, the score of a fresh
+model after ``accelerator.load_state`` of the trained one's ``save_state``, and the bytes each
+rank held after ``from_pretrained``.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ def accelerator_for(stage: int | None) -> Any:
     )
 
 
-def run_case(stage: int | None, init_dir: Path) -> dict[str, Any]:
+def prepared(stage: int | None, init_dir: Path) -> tuple[Any, Any, Any, Any, dict[str, int]]:
+    """A fresh accelerator, and the saved model, AdamW and the data loader prepared by it."""
     from transformers import LlamaForCausalLM
 
     accelerator = accelerator_for(stage)
@@ -49,7 +51,11 @@ def run_case(stage: int | None, init_dir: Path) -> dict[str, Any]:
     loaded = shard_bytes(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     loader = DataLoader(RandomTokens(), batch_size=MICRO_BATCH, shuffle=False)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    return accelerator, *accelerator.prepare(model, optimizer, loader), loaded
+
+
+def run_case(stage: int | None, init_dir: Path, state_dir: Path) -> dict[str, Any]:
+    accelerator, model, optimizer, loader, loaded = prepared(stage, init_dir)
     micro_losses: list[float] = []
     steps = 0
     for batch in loader:
@@ -71,8 +77,16 @@ def run_case(stage: int | None, init_dir: Path) -> dict[str, Any]:
         "score": score(model),
         "loaded_bytes": loaded,
     }
+    accelerator.save_state(str(state_dir))
     accelerator.free_memory()
     del model, optimizer, loader, accelerator
+    forget_run()
+    # a fresh (untrained) model takes the trained one's weights from save_state's folder
+    accelerator, model, *_ = prepared(stage, init_dir)
+    accelerator.load_state(str(state_dir))
+    result["loaded_state_score"] = score(model)
+    accelerator.free_memory()
+    del model, accelerator
     forget_run()
     return result
 
@@ -81,9 +95,8 @@ def main() -> None:
     opts = arguments()
     init_dir = start(opts.out)
     rank = comm.get_rank()
-    results = {
-        name: run_case(stage, init_dir) for name, stage in (("plain", None), ("z2", 2), ("z3", 3))
-    }
+    cases = (("plain", None), ("z2", 2), ("z3", 3))
+    results = {name: run_case(stage, init_dir, opts.out / f"state-{name}") for name, stage in cases}
     gathered = [None] * comm.get_world_size()
     comm.all_gather_object(gathered, {k: v["loaded_bytes"] for k, v in results.items()})
     if rank == 0:
