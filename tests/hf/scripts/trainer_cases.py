@@ -1,6 +1,6 @@
 """The HF ``Trainer`` on a tiny Llama: plain DDP, then DeepSpeed (shardspeed) at ZeRO 2 and 3.
 
-Usage: ``<launcher> trainer_cases.py OUT [--cases ddp,z2,z3] [--config-file]``. One process group
+Usage: ``<launcher> trainer_cases.py OUT [--cases ddp,z2,z3[,launcher_z3]] [--config-file]``. One process group
 serves every sub-case, in order. Each sub-case builds ``TrainingArguments`` first and only then
 ``from_pretrained`` (so under ZeRO-3 ``HfDeepSpeedConfig`` makes ``zero.Init`` partition the
 model while it loads), grows the vocabulary (``resize_token_embeddings``), trains ``MAX_STEPS`` steps with a checkpoint every ``SAVE_STEPS``,
@@ -41,6 +41,8 @@ CASES: dict[str, tuple[int | None, bool]] = {
     "ddp": (None, False),
     "z2": (2, False),
     "z3": (3, True),
+    # DeepSpeed from `accelerate launch --use_deepspeed --deepspeed_config_file`, not the args
+    "launcher_z3": (3, True),
 }
 
 
@@ -92,7 +94,9 @@ def run_case(name: str, root: Path, init_dir: Path, config_file: bool) -> dict[s
     stage, config_optimizer = CASES[name]
     case_dir = root / name
     deepspeed: Any = None
-    if stage is not None:
+    if name == "launcher_z3":
+        assert os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE"), "needs accelerate launch"
+    elif stage is not None:
         deepspeed = ds_config(stage, config_optimizer)
         if config_file:
             path = case_dir / "ds_config.json"
@@ -129,7 +133,7 @@ def run_case(name: str, root: Path, init_dir: Path, config_file: bool) -> dict[s
 
 def main() -> None:
     opts = arguments(
-        ("--cases", {"default": ",".join(CASES)}),
+        ("--cases", {"default": "ddp,z2,z3"}),
         ("--config-file", {"action": "store_true"}),
     )
     init_dir = start(opts.out)
