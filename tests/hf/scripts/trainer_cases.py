@@ -1,11 +1,12 @@
 """The HF ``Trainer`` on a tiny Llama: plain DDP, then DeepSpeed (shardspeed) at ZeRO 2 and 3.
 
-Usage: ``<launcher> trainer_cases.py OUT [--cases ddp,z2,z3[,launcher_z3]] [--config-file]``. One process group
-serves every sub-case, in order. Each sub-case builds ``TrainingArguments`` first and only then
-``from_pretrained`` (so under ZeRO-3 ``HfDeepSpeedConfig`` makes ``zero.Init`` partition the
-model while it loads), grows the vocabulary (``resize_token_embeddings``), trains ``MAX_STEPS`` steps with a checkpoint every ``SAVE_STEPS``,
-scores the trained model, ``save_model()``s it, and trains again from a fresh load resuming
-from the first checkpoint. Each rank writes ``OUT/<case>/rank<R>.json``.
+Usage: ``<launcher> trainer_cases.py OUT [--cases ddp,z2,z3[,launcher_z3]] [--config-file]``.
+One process group serves every sub-case, in order. Each sub-case builds ``TrainingArguments``
+first and only then ``from_pretrained`` (so under ZeRO-3 ``HfDeepSpeedConfig`` makes
+``zero.Init`` partition the model while it loads), grows the vocabulary
+(``resize_token_embeddings``), trains ``MAX_STEPS`` steps with a checkpoint every
+``SAVE_STEPS``, scores the trained model, ``save_model()``s it, and trains again from a fresh
+load resuming from the first checkpoint. Each rank writes ``OUT/<case>/rank<R>.json``.
 
 ``--config-file``: hand ``TrainingArguments`` a JSON file path instead of a dict.
 """
