@@ -16,6 +16,7 @@ The ``aio`` section is honoured as follows:
   batches of up to ``queue_depth`` per worker task (fewer hand-offs between threads).
 - ``overlap_events``: True (default) lets a new operation start while earlier ones complete;
   False makes each operation wait for all earlier ones first.
+- ``use_gds``: not available (it needs a native GPUDirect Storage binding); warns and goes on.
 
 What a caller must do to keep state safe:
 
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
@@ -84,6 +86,12 @@ class TensorSwapper:
     ) -> None:
         self.folder = _checked_folder(folder)
         self.aio = aio if aio is not None else AioConfig()
+        if self.aio.use_gds:
+            warnings.warn(
+                "aio.use_gds: GPUDirect Storage needs a native driver binding, which shardspeed "
+                "(pure Python) does not have; swapping through host memory instead",
+                stacklevel=2,
+            )
         self.pin_memory = pin_memory
         supported = direct_io_supported(self.folder)
         if o_direct and not supported:

@@ -233,3 +233,10 @@ def test_bad_requests(tmp_path: Path) -> None:
         assert "x" not in swapper and swapper.nbytes("z") == 40
     with pytest.raises(RuntimeError, match="closed"):
         swapper.write("x", torch.randn(1))
+
+
+def test_use_gds_warns_and_goes_on(tmp_path: Path) -> None:
+    with pytest.warns(UserWarning, match="GPUDirect"):
+        swapper = TensorSwapper(tmp_path, AioConfig(use_gds=True))
+    with swapper:
+        swapper.write("k", torch.ones(3)).wait()
