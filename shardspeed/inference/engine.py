@@ -21,6 +21,7 @@ from shardspeed.inference.quantization import quantize_module
 from shardspeed.inference.tp_group import TPGroup, resolve_tp_group
 from shardspeed.inference.tp_plan import build_plan
 from shardspeed.inference.weight_source import ModuleWeights, WeightSource, open_checkpoint
+from shardspeed.utils.logging import logger
 
 __all__ = ["InferenceEngine"]
 
@@ -41,6 +42,7 @@ class InferenceEngine(nn.Module):
                 f"training_mp_size={config.training_mp_size}: Megatron-sharded training "
                 "checkpoints are not supported; give a Hugging Face safetensors checkpoint."
             )
+        _warn_not_implemented(config)
         self.tp: TPGroup = resolve_tp_group(config.tensor_parallel, config.mpu)
         self.compute_dtype = _compute_dtype(model, config.dtype)
         self.device = torch.device("cpu") if config.keep_module_on_host else _device()
@@ -51,7 +53,11 @@ class InferenceEngine(nn.Module):
             config.tensor_parallel.tp_grain_size,
             config.injection_policy,
         )
-        apply_plan(model, plan, self.tp, self._source(model), self.compute_dtype, self.device)
+        source = self._source(model)
+        try:
+            apply_plan(model, plan, self.tp, source, self.compute_dtype, self.device)
+        finally:
+            source.close()
         if config.dtype == torch.int8 and config.quant.enabled:
             quantize_module(model, config.quant)
         self.module = model.eval()
@@ -111,6 +117,26 @@ class InferenceEngine(nn.Module):
         """Forward times in milliseconds since the last call; the list is then cleared."""
         times, self._model_times = self._model_times, []
         return times
+
+
+# settings the config accepts (DeepSpeed has them) that change nothing here yet
+_NOT_IMPLEMENTED = (
+    "enable_cuda_graph",
+    "use_triton",
+    "triton_autotune",
+    "save_mp_checkpoint_path",
+    "set_empty_params",
+)
+
+
+def _warn_not_implemented(config: DeepSpeedInferenceConfig) -> None:
+    for name in _NOT_IMPLEMENTED:
+        if getattr(config, name):
+            logger.warning(
+                f"inference config {name}={getattr(config, name)!r} is not implemented yet; ignored"
+            )
+    if config.ep_size > 1 or (not isinstance(config.moe, bool) and config.moe.ep_size > 1):
+        logger.warning("inference MoE (ep_size > 1) is not implemented yet; experts are not split")
 
 
 def _device() -> torch.device:

@@ -35,6 +35,8 @@ class WeightSource(Protocol):
 
     def read(self, name: str, piece: Slice | None, shape: torch.Size) -> torch.Tensor: ...
 
+    def close(self) -> None: ...
+
 
 class ModuleWeights:
     """The parameters and buffers of a model in memory."""
@@ -46,23 +48,45 @@ class ModuleWeights:
         full = self._tensors[name].detach()
         return full if piece is None else piece.take(full)
 
+    def close(self) -> None:
+        self._tensors.clear()
+
 
 class SafetensorsWeights:
-    """Tensors of safetensors files, read slice by slice from memory maps."""
+    """Tensors of safetensors files, read slice by slice from memory maps.
+
+    One file is mapped at a time: moving to a tensor in another file unmaps the previous one, so
+    the pages read from the checkpoint never exceed one shard (plus this rank's slices)."""
 
     def __init__(self, files: Iterable[Path], prefix: str = "") -> None:
         from safetensors import safe_open
 
-        self._where: dict[str, Any] = {}
+        self._safe_open = safe_open
+        self._where: dict[str, Path] = {}
         self._prefix = prefix
+        self._open: tuple[Path, Any] | None = None
         for path in files:
             if not path.is_file():
                 raise ValueError(
                     f"checkpoint file {path} does not exist; check checkpoint/base_dir"
                 )
-            handle = safe_open(str(path), framework="pt")
-            for key in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
-                self._where[key] = handle
+            with safe_open(str(path), framework="pt") as handle:
+                for key in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    self._where[key] = path
+
+    def _handle(self, key: str) -> Any:
+        path = self._where[key]
+        if self._open is None or self._open[0] != path:
+            self.close()
+            handle = self._safe_open(str(path), framework="pt")
+            self._open = (path, handle.__enter__())
+        return self._open[1]
+
+    def close(self) -> None:
+        """Unmap the open file (reading again reopens it)."""
+        if self._open is not None:
+            self._open[1].__exit__(None, None, None)
+            self._open = None
 
     def _key(self, name: str) -> str:
         prefix = self._prefix + "." if self._prefix else ""
@@ -82,7 +106,7 @@ class SafetensorsWeights:
 
     def read(self, name: str, piece: Slice | None, shape: torch.Size) -> torch.Tensor:
         key = self._key(name)
-        tensor_slice = self._where[key].get_slice(key)
+        tensor_slice = self._handle(key).get_slice(key)
         stored = tuple(tensor_slice.get_shape())
         if stored != tuple(shape):
             raise ValueError(

@@ -81,6 +81,9 @@ def error_messages(directory: str) -> dict[str, str]:
             tensor_parallel={"tp_size": world},
             dtype=torch.float32,
         ),
+        "unknown": lambda: shardspeed.init_inference(
+            torch.nn.Sequential(_Block()), tensor_parallel={"tp_size": world}, dtype=torch.float32
+        ),
     }
     messages = {}
     for name, make in cases.items():
@@ -120,3 +123,29 @@ def fused_tp_tokens(families: list[str]) -> dict[str, bool]:
         assert engine.fused is not None
         equal[family] = torch.equal(models.greedy(engine, ids), want)
     return equal
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc_in = torch.nn.Linear(16, 64)
+        self.fc_out = torch.nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc_out(torch.relu(self.fc_in(x)))
+
+
+def policy_parity() -> float:
+    """A model AutoTP does not know, split by ``injection_policy``: max error vs unsplit."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_Block(), _Block()).eval()
+    x = torch.randn(3, 16)
+    want = model(x)
+    engine = shardspeed.init_inference(
+        copy.deepcopy(model),
+        dtype=torch.float32,
+        tensor_parallel={"tp_size": comm.get_world_size(), "tp_grain_size": 1},
+        injection_policy={_Block: ("fc_out",)},
+    )
+    assert engine.module[0].fc_in.out_features == 64 // comm.get_world_size()
+    return (engine(x) - want).abs().max().item()

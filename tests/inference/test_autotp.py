@@ -39,3 +39,8 @@ def test_errors_name_the_fix(dist_pool, tmp_path):
     assert "does not divide the model's 1 attention heads" in messages["heads"]
     assert "does not divide the world size 2" in messages["world"]
     assert "shards do not match" in messages["shape"]
+    assert "pass injection_policy=" in messages["unknown"]
+
+
+def test_injection_policy_splits_a_custom_model(dist_pool):
+    assert max(dist_pool(2).run(ranks.policy_parity)) < 1e-5

@@ -47,6 +47,8 @@ def test_quantize_round_trip_and_kernel_path():
         x, int8.qweight.float() * int8.scales.float()[:, None], linear.bias
     )
     torch.testing.assert_close(int8(x), dequantised, rtol=1e-4, atol=1e-4)
+    row = x[:1, :1]  # a single row takes aten._weight_int8pack_mm
+    torch.testing.assert_close(int8(row), dequantised[:1, :1], rtol=1e-4, atol=1e-4)
 
 
 def test_bad_quant_settings_are_errors():
