@@ -445,7 +445,11 @@ class PipelineEngine(DeepSpeedEngine):
 
     def _exec_optimizer_step(self, cmd: schedule.OptimizerStep) -> None:
         del cmd
-        self._agree_no_error("train_batch")
+        try:
+            self._agree_no_error("train_batch")
+        except PipelineError:
+            self._optim.zero_grad()  # the failed batch's gradients must not reach the next
+            raise
         applied = self._optim.step()
         if applied and self.lr_scheduler is not None:
             self.lr_scheduler.step()

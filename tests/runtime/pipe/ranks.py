@@ -207,6 +207,9 @@ def errors_are_clear_everywhere() -> None:
     before = [p.detach().clone() for p in module.parameters()]
     _raises(lambda: engine.train_batch(iter(batches.step(0))), PipelineError, "loss_fn")
     assert all(torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))
+    for param in module.parameters():  # the failed batch left no gradient behind
+        grad = engine._accumulated_grad(param)
+        assert grad is None or not grad.any()
     engine.destroy()
 
 
