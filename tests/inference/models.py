@@ -33,6 +33,17 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         },
     ),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", {"n_head": 4, "n_positions": 128}),
+    "mistral": (
+        "MistralConfig",
+        "MistralForCausalLM",
+        {
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "intermediate_size": 128,
+            "sliding_window": None,
+        },
+    ),
+    "opt": ("OPTConfig", "OPTForCausalLM", {"num_attention_heads": 4, "ffn_dim": 128}),
 }
 
 

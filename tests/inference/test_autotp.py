@@ -8,12 +8,14 @@ import pytest
 from tests.inference import ranks
 
 FAMILIES = ["llama", "qwen2", "qwen3", "gpt2"]
+MORE_AT_TP2 = ["mistral", "opt"]  # OPT keeps a replicated learned position table
 
 
 @pytest.mark.parametrize("world", [2, 4], ids=["tp2", "tp4"])
 def test_tp_matches_single_process(dist_pool, world):
-    results = dist_pool(world).run(ranks.tp_parity, FAMILIES)
-    for family in FAMILIES:
+    families = FAMILIES + (MORE_AT_TP2 if world == 2 else [])
+    results = dist_pool(world).run(ranks.tp_parity, families)
+    for family in families:
         per_rank = [rank_results[family] for rank_results in results]
         for figures in per_rank:
             assert figures["max_err"] < 1e-5, (family, figures)
@@ -21,7 +23,7 @@ def test_tp_matches_single_process(dist_pool, world):
         # norms and GPT-2's position table stay replicated: a little over 1/tp on average
         # (qwen3's MLP of 192 splits 128/64 at tp 2, in multiples of tp_grain_size 64)
         mean_ratio = sum(f["bytes_ratio"] for f in per_rank) / world
-        assert mean_ratio < 1 / world + 0.06, (family, per_rank)
+        assert mean_ratio < 1 / world + (0.06 if family != "opt" else 0.1), (family, per_rank)
 
 
 def test_safetensors_shards_load_slice_by_slice(dist_pool, tmp_path):
