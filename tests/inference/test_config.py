@@ -79,6 +79,9 @@ def test_config_file_kwargs_merge_and_conflict(tmp_path):
         shardspeed.init_inference(models.build("gpt2"), {"dtype": "fp32"}, dtype="fp16")
     same = shardspeed.init_inference(models.build("gpt2"), {"dtype": "fp32"}, dtype="fp32")
     assert same.config.dtype == torch.float32
+    model_config = DeepSpeedInferenceConfig(dtype="fp32", max_tokens=64)
+    from_model = shardspeed.init_inference(models.build("gpt2"), model_config, kernel_inject=True)
+    assert from_model.config.max_out_tokens == 64 and from_model.fused is not None
 
 
 def test_engine_runs_like_the_model_and_profiles():
