@@ -149,3 +149,36 @@ def policy_parity() -> float:
     )
     assert engine.module[0].fc_in.out_features == 64 // comm.get_world_size()
     return (engine(x) - want).abs().max().item()
+
+
+def load_peak_rss(directory: str) -> dict[str, int]:
+    """A ~21 MB Llama saved in 2 MB safetensors shards (its 8 MB embedding and head are single
+    tensors) loaded at TP = world into an empty model: this rank's slice bytes, the largest
+    shard, the whole model, and the peak RSS growth while loading."""
+    from accelerate import init_empty_weights
+
+    from tests.inference.peak_rss import PeakRSS
+
+    sizes = {"hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 512}
+    reference = models.build("llama", vocab_size=8192, num_key_value_heads=4, **sizes)
+    full = models.weight_bytes(reference)
+    if comm.get_rank() == 0:
+        reference.save_pretrained(directory, max_shard_size="2MB")
+    del reference
+    comm.barrier()
+    with init_empty_weights():
+        empty = models.build("llama", vocab_size=8192, num_key_value_heads=4, **sizes)
+    with PeakRSS() as rss:
+        engine = shardspeed.init_inference(
+            empty,
+            checkpoint=directory,
+            tensor_parallel={"tp_size": comm.get_world_size()},
+            dtype=torch.float32,
+        )
+    largest = max(f.stat().st_size for f in Path(directory).glob("*.safetensors"))
+    return {
+        "slice": models.weight_bytes(engine.module),
+        "largest_shard": largest,
+        "full": full,
+        "growth": rss.growth,
+    }

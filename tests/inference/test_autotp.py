@@ -46,3 +46,12 @@ def test_errors_name_the_fix(dist_pool, tmp_path):
 
 def test_injection_policy_splits_a_custom_model(dist_pool):
     assert max(dist_pool(2).run(ranks.policy_parity)) < 1e-5
+
+
+def test_loading_holds_the_slice_plus_at_most_one_shard(dist_pool, tmp_path):
+    for figures in dist_pool(2).run(ranks.load_peak_rss, str(tmp_path / "ckpt")):
+        assert figures["slice"] < figures["full"] * 0.55, figures
+        # allocator slack on top: 2 MiB; loading everything would take >= full + slice
+        limit = figures["slice"] + figures["largest_shard"] + 2 * 2**20
+        assert figures["growth"] <= limit, figures
+        assert figures["growth"] < figures["full"], figures
