@@ -1,7 +1,9 @@
-"""In a plain process (no launcher, no DeepSpeed): load each ``DIR/<case>/final`` that
-``trainer_cases.py`` saved with ``from_pretrained`` and print its loss on the fixed batch.
+"""In a plain process (no launcher): load each ``DIR/<case>/final`` that ``trainer_cases.py``
+saved with ``from_pretrained`` and print its loss on the fixed batch; for a DeepSpeed case also
+the loss of the weights ``zero_to_fp32`` consolidates from the Trainer's last checkpoint.
 
-Usage: ``python score_saved.py DIR case [case ...]``; prints one JSON object case -> loss.
+Usage: ``python score_saved.py DIR case [case ...]``; prints one JSON object: case -> loss and
+``case:zero_to_fp32`` -> loss.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from pathlib import Path
 
 import torch
 from hf_common import score
+from trainer_cases import MAX_STEPS
 
 
 def main() -> None:
@@ -25,6 +28,13 @@ def main() -> None:
         assert (final / "model.safetensors").is_file(), f"no safetensors in {final}"
         model = LlamaForCausalLM.from_pretrained(str(final))
         scores[case] = score(model)
+        checkpoint = root / case / "run" / f"checkpoint-{MAX_STEPS}"
+        if case != "ddp":
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+            weights = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint))
+            model.load_state_dict(weights, strict=True)
+            scores[f"{case}:zero_to_fp32"] = score(model)
     print(json.dumps(scores))
 
 
