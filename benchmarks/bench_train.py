@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue as pyqueue
 import resource
 import statistics
 import sys
@@ -139,7 +140,21 @@ def spawn_ranks(target: Any, world: int, *args: Any) -> list[dict[str, Any]]:
     procs = [ctx.Process(target=target, args=(r, *args, queue)) for r in range(world)]
     for p in procs:
         p.start()
-    results = [queue.get(timeout=1800) for _ in procs]
+    results: list[dict[str, Any]] = []
+    deadline = time.monotonic() + 3600
+    while len(results) < len(procs):
+        try:
+            results.append(queue.get(timeout=5))
+        except pyqueue.Empty:
+            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(
+                    f"{target.__name__}: a rank exited with {failed} (its traceback is above)"
+                    if failed
+                    else f"{target.__name__}: no result within an hour"
+                ) from None
     for p in procs:
         p.join()
         if p.exitcode != 0:

@@ -33,6 +33,13 @@ _LAZY: dict[str, str] = {
     "ops": "shardspeed.ops",
     "runtime": "shardspeed.runtime",
     "utils": "shardspeed.utils",
+    # subpackages DeepSpeed users reach through the top-level module
+    "zero": "shardspeed.zero",
+    "checkpoint": "shardspeed.checkpoint",
+    "monitor": "shardspeed.monitor",
+    "profiling": "shardspeed.profiling",
+    "inference": "shardspeed.inference",
+    "launcher": "shardspeed.launcher",
 }
 
 __all__ = ["__version__", "__git_hash__", "__git_branch__", "log_dist", "logger", *_LAZY]

@@ -17,6 +17,8 @@ parameters the fp32 master copies stay in host memory.
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -57,6 +59,18 @@ class SwapStore:
         self._registered: dict[int, str] = {}
         #: keys whose tensor is in use and must stay in memory (still written when asked)
         self._pinned: set[str] = set()
+
+    def check_space(self, nbytes: int, key: str) -> None:
+        """Refuse to start when the disk cannot take ``nbytes`` more for each process of this
+        node that swaps there (``LOCAL_WORLD_SIZE``), before anything is overwritten."""
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
+        free = shutil.disk_usage(self.folder).free
+        if nbytes * ranks > free:
+            raise ValueError(
+                f"{key}: {self.folder} has {free / 2**30:.2f} GiB free, and the optimizer "
+                f"state swapped there needs about {nbytes * ranks / 2**30:.2f} GiB ({ranks} "
+                "process(es) of this node): free some space or point nvme_path at a larger disk"
+            )
 
     # -- registered tensors (parameter shards) ---------------------------------------------
     def register(self, key: str, tensor: torch.Tensor) -> None:

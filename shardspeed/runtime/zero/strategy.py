@@ -231,6 +231,11 @@ class ZeroStrategy:
         offloaded = [m for group in self.groups for m in group.offloaded_masters()]
         swapped = offloaded if self.offload.to_nvme else []
         swap = self.swap_store() if swapped or self.param_offload.to_nvme else None
+        if swapped and swap is not None:
+            # Adam-like optimizers keep two moments per element: make sure they will fit
+            # before the first step writes any
+            need = 2 * sum(t.numel() * t.element_size() for t in swapped)
+            swap.check_space(need, "zero_optimization.offload_optimizer.nvme_path")
         return SubGroupStepper(size, swap, swapped)
 
     def swap_store(self) -> SwapStore:

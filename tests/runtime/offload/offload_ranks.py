@@ -167,3 +167,18 @@ def checkpoints_cross_offload(stage: int, folder: str) -> list[float]:
     for engine in (swapped, plain, into_plain, into_swapped):
         engine.destroy()
     return curves[0]
+
+
+def full_disk_message(stage: int, folder: str, params: bool) -> str:
+    """Build an engine whose swap files cannot fit under ``folder``: the error, at initialize
+    (before any state is written)."""
+    zero: dict[str, Any] = {"offload_optimizer": offload_section("nvme", folder)}
+    if params:
+        zero["offload_param"] = {"device": "nvme", "nvme_path": folder}
+        zero["stage3_param_persistence_threshold"] = 0
+    try:
+        engine = _engine(MLP(width=512, depth=4), stage, zero=zero)
+    except Exception as error:  # noqa: BLE001 - the message is what is checked
+        return f"{type(error).__name__}: {error}"
+    engine.destroy()
+    return ""

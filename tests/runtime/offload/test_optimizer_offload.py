@@ -96,3 +96,19 @@ def test_stage3_parameter_offload_to_nvme(dist_pool, tmp_path, world, optimizer)
             result["state_reference"] if optimizer else 0
         )
         assert (result["state_in_memory"] == 0) == optimizer
+
+
+@pytest.mark.parametrize(("stage", "params"), [(2, False), (3, True)], ids=["state", "shards"])
+def test_a_full_disk_is_refused_before_training(dist_pool, tmp_path, stage, params):
+    """A 1 MiB filesystem cannot take the swap files: initialize stops with the folder, the
+    free and the needed bytes named, before any state is written."""
+    from tests.runtime.swap.conftest import mounted_tmpfs
+
+    target = tmp_path / "tiny"
+    target.mkdir()
+    with mounted_tmpfs(target, "size=1M") as why:
+        if why is not None:
+            pytest.skip(why)
+        messages = dist_pool(2).run(offload_ranks.full_disk_message, stage, str(target), params)
+    for message in messages:
+        assert str(target) in message and "free" in message, message

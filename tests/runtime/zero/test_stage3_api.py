@@ -153,3 +153,24 @@ def test_parameters_created_after_initialize_are_refused(dist_pool):
         assert len(messages) == 2
         assert "late_scale" in messages[0] and "neither partitioned nor updated" in messages[0]
         assert "1.extra" in messages[1] and "__init__" in messages[1]
+
+
+def test_subpackages_resolve_from_the_top_level_module():
+    """``deepspeed.zero.Init`` and friends, written after a bare ``import deepspeed``."""
+    import subprocess
+    import sys
+
+    code = (
+        "import shardspeed as ds; "
+        "print(ds.zero.Init.__name__, ds.zero.GatheredParameters.__name__, "
+        "ds.checkpoint.__name__, ds.monitor.__name__, ds.launcher.__name__)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [
+        "Init",
+        "GatheredParameters",
+        "shardspeed.checkpoint",
+        "shardspeed.monitor",
+        "shardspeed.launcher",
+    ]
