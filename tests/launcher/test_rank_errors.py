@@ -96,3 +96,18 @@ def test_a_handled_traceback_is_kept_in_a_log_and_named() -> None:
     assert "Traceback" not in output
     assert "ranks 0, 1 printed a traceback and went on: KeyError: 'handled'" in output
     assert "full output with tracebacks: rank" in output
+
+
+@pytest.mark.timeout(90)
+def test_with_each_rank_log_the_error_is_read_from_the_logs(tmp_path: Path) -> None:
+    result = run_shardspeed(
+        "--num_gpus", "2", "--master_port", str(free_port()),
+        "--enable_each_rank_log", str(tmp_path), CONFIG_ERROR, timeout=80,
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    assert "Traceback" not in output and output.count(MESSAGE) == 1, output
+    assert f"ranks 0, 1 failed: shardspeed.config.errors.DeepSpeedConfigError: {MESSAGE}" in output
+    logs = sorted(tmp_path.glob("*_rank*.log"))
+    assert len(logs) == 2 and all("Traceback" in p.read_text() for p in logs)
+    assert f"in {tmp_path}" in output
