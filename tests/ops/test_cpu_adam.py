@@ -8,7 +8,8 @@ import copy
 import pytest
 import torch
 
-from shardspeed.ops.adam import DeepSpeedCPUAdam, adam_base, cpu_fused
+from shardspeed.ops import cpu_blocks
+from shardspeed.ops.adam import DeepSpeedCPUAdam, adam_base
 
 SHAPES = [(64, 33), (1000,), (5, 7, 3), (1,)]
 
@@ -115,7 +116,7 @@ def test_chunked_upcast_does_not_depend_on_chunk_size(monkeypatch: pytest.Monkey
     whole, chunked = params_like(torch.bfloat16), params_like(torch.bfloat16)
     opt_whole = DeepSpeedCPUAdam(whole, lr=1e-2, weight_decay=0.1)
     train(opt_whole, whole, steps=3)
-    monkeypatch.setattr(cpu_fused, "CHUNK_NUMEL", 7)  # ragged chunks in every tensor
+    monkeypatch.setattr(cpu_blocks, "BLOCK_NUMEL", 7)  # ragged blocks in every tensor
     opt_chunked = DeepSpeedCPUAdam(chunked, lr=1e-2, weight_decay=0.1)
     train(opt_chunked, chunked, steps=3)
     for a, b in zip(whole, chunked, strict=True):

@@ -11,20 +11,22 @@ Two cases the kernel does not cover directly are mapped onto it exactly:
 - ``bias_correction=False``: the kernel always divides by ``1 - beta^t``; a step of +inf makes
   ``beta^t`` exactly 0 for every beta in [0, 1), so both corrections are exactly 1.
 - fp16/bf16 parameters with fp32 moments (``fp32_optimizer_states``): the kernel wants one
-  dtype, so the parameter and gradient are upcast chunk by chunk into small fp32 buffers that
-  stay in cache, updated there with the fp32 moments, and the parameter chunk written back.
+  dtype, so the parameter and gradient are upcast block by block into small per-thread fp32
+  buffers that stay in cache, updated there with the fp32 moments, and the parameter block
+  written back (blocks run on worker threads: :mod:`shardspeed.ops.cpu_blocks`).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import torch
 
-__all__ = ["CHUNK_NUMEL", "cpu_fusable", "fused_adam_cpu"]
+from shardspeed.ops import cpu_blocks
+from shardspeed.ops.cpu_blocks import Block, flat_blocks, run_blocks
 
-#: elements per upcast chunk (4 MB of fp32 per buffer)
-CHUNK_NUMEL = 1 << 20
+__all__ = ["cpu_fusable", "fused_adam_cpu"]
 
 _FUSED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -106,19 +108,30 @@ def fused_adam_cpu(
     upcast = [i for i in range(len(params)) if params[i].dtype != exp_avgs[i].dtype]
     if not upcast:
         return
-    numel = min(CHUNK_NUMEL, max(params[i].numel() for i in upcast))
-    work_p = torch.empty(numel, dtype=torch.float32)
-    work_g = torch.empty(numel, dtype=torch.float32)
-    for i in upcast:
-        p, g = params[i].view(-1), _grad(params[i]).view(-1)
-        m, v = exp_avgs[i].view(-1), exp_avg_sqs[i].view(-1)
-        for start in range(0, p.numel(), numel):
-            end = min(start + numel, p.numel())
-            wp, wg = work_p[: end - start], work_g[: end - start]
-            wp.copy_(p[start:end])
-            wg.copy_(g[start:end])
-            call([wp], [wg], [m[start:end]], [v[start:end]], [steps[i]])
-            p[start:end].copy_(wp)
+    rows = [(params[i], _grad(params[i]), exp_avgs[i], exp_avg_sqs[i], steps[i]) for i in upcast]
+
+    def update(block: Block) -> None:
+        for p, g, m, v, step in block:
+            work_p, work_g = _work_buffers(p.numel())
+            work_p.copy_(p)
+            work_g.copy_(g)
+            call([work_p], [work_g], [m], [v], [step])
+            p.copy_(work_p)
+
+    run_blocks(flat_blocks(rows), update)
+
+
+_scratch = threading.local()
+
+
+def _work_buffers(numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This thread's two fp32 buffers, cut to ``numel`` elements (kept: no page faults)."""
+    buffers: tuple[torch.Tensor, torch.Tensor] | None = getattr(_scratch, "buffers", None)
+    if buffers is None or buffers[0].numel() < numel:
+        size = max(numel, cpu_blocks.BLOCK_NUMEL)
+        buffers = (torch.empty(size), torch.empty(size))
+        _scratch.buffers = buffers
+    return buffers[0][:numel], buffers[1][:numel]
 
 
 def _grad(param: torch.Tensor) -> torch.Tensor:

@@ -260,7 +260,10 @@ class TensorSwapper:
 
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):
-            self.close(remove_files=False)
+            try:  # the caller forgot close(): keep its files, release descriptors and threads
+                self.close(remove_files=False)
+            except Exception:  # noqa: BLE001 - nothing can be reported from a finalizer
+                pass
 
     # ------------------------------------------------------------------ submission
     def _submit(
