@@ -46,6 +46,7 @@ class InferenceEngine(nn.Module):
         self.tp: TPGroup = resolve_tp_group(config.tensor_parallel, config.mpu)
         self.compute_dtype = _compute_dtype(model, config.dtype)
         self.device = torch.device("cpu") if config.keep_module_on_host else _device()
+        _tie_weights(model)
         plan = build_plan(
             model,
             self.tp.size,
@@ -137,6 +138,14 @@ def _warn_not_implemented(config: DeepSpeedInferenceConfig) -> None:
             )
     if config.ep_size > 1 or (not isinstance(config.moe, bool) and config.moe.ep_size > 1):
         logger.warning("inference MoE (ep_size > 1) is not implemented yet; experts are not split")
+
+
+def _tie_weights(model: nn.Module) -> None:
+    """Re-tie a Hugging Face model's tied weights (``accelerate.init_empty_weights`` leaves the
+    output head and the embedding as two meta tensors; a checkpoint holds only one of them)."""
+    tie = getattr(model, "tie_weights", None)
+    if callable(tie):
+        tie()
 
 
 def _device() -> torch.device:

@@ -26,8 +26,9 @@ def test_tp_matches_single_process(dist_pool, world):
         assert mean_ratio < 1 / world + (0.06 if family != "opt" else 0.1), (family, per_rank)
 
 
-def test_safetensors_shards_load_slice_by_slice(dist_pool, tmp_path):
-    results = dist_pool(2).run(ranks.load_from_safetensors, "llama", str(tmp_path / "ckpt"))
+@pytest.mark.parametrize("family", ["llama", "gpt2"])  # gpt2: tied head, transposed Conv1D
+def test_safetensors_shards_load_slice_by_slice(dist_pool, tmp_path, family):
+    results = dist_pool(2).run(ranks.load_from_safetensors, family, str(tmp_path / "ckpt"))
     for figures in results:
         assert figures["shards"] > 1
         assert figures["on_meta"] == []
