@@ -86,6 +86,16 @@ class InferenceEngine(nn.Module):
     def config(self) -> DeepSpeedInferenceConfig:
         return self._config
 
+    @property
+    def mp_world_size(self) -> int:
+        """Tensor-parallel degree (DeepSpeed's name)."""
+        return self.tp.size
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The configured dtype (int8 when the weights are quantized)."""
+        return self._config.dtype
+
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the wrapped model (timed when :meth:`profile_model_time` is on)."""
         if not self.model_profile_enabled:

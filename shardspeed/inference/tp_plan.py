@@ -112,11 +112,15 @@ def build_plan(
                 plan.linears[name] = _rule("column", Slice(0, ((0, out),)), module)
         return plan
     layout = _heads(model, tp_size, rank)
+    policy_blocks: list[str] = []  # the policy decides everything inside these
     for name, module in model.named_modules():
+        if any(name.startswith(block + ".") for block in policy_blocks):
+            continue
         if injection_policy and type(module) in injection_policy:
             _plan_policy_block(
                 plan, name, module, injection_policy[type(module)], tp_size, rank, grain
             )
+            policy_blocks.append(name)
             continue
         children = dict(module.named_children())
         if layout is not None:

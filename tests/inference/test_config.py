@@ -92,6 +92,7 @@ def test_engine_runs_like_the_model_and_profiles():
     engine.profile_model_time()
     assert torch.equal(engine(ids).logits, want)
     assert torch.equal(engine.forward(input_ids=ids).logits, want)
+    assert engine.mp_world_size == 1 and engine.dtype == torch.float32
     times = engine.model_times()
     assert len(times) == 2 and all(t > 0 for t in times) and engine.model_times() == []
     assert torch.equal(models.greedy(engine, ids, 8), models.greedy(model, ids, 8))
