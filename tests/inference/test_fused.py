@@ -82,3 +82,26 @@ def test_eos_min_new_tokens_and_fallbacks(caplog):
 def test_fused_under_tensor_parallel(dist_pool):
     for equal in dist_pool(2).run(ranks.fused_tp_tokens, FAMILIES):
         assert all(equal.values()), equal
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_left_padded_batch_equals_hf_eager(family):
+    """Prompts of different lengths, left-padded: positions count real tokens only and padded
+    slots are never attended, as in Hugging Face."""
+    eager = models.build(family, attn_implementation="eager")
+    engine = _fused(family)
+    ids = models.prompt(batch=3, length=9)
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    mask[2, :1] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    kwargs = {
+        "attention_mask": mask,
+        "max_new_tokens": 20,
+        "min_new_tokens": 20,
+        "do_sample": False,
+    }
+    calls = []
+    engine.fused.register_forward_hook(lambda *_: calls.append(1))
+    assert torch.equal(engine.generate(ids, **kwargs), eager.generate(ids, **kwargs))
+    assert len(calls) == 20

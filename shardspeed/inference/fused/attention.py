@@ -2,16 +2,31 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from shardspeed.inference.fused.kv_cache import StaticKVCache
 
-__all__ = ["FusedAttention", "Rope", "rotate_half"]
+__all__ = ["FusedAttention", "Rope", "Step", "rotate_half"]
 
 Rope = tuple[torch.Tensor, torch.Tensor] | None
-"""(cos, sin) of the positions being run, each (1, tokens, head_dim); None: no rotary."""
+"""(cos, sin) of the positions being run, each (1 or batch, tokens, head_dim); None: no rotary."""
+
+
+@dataclass(frozen=True)
+class Step:
+    """What every layer needs for one forward step besides its input."""
+
+    cache: StaticKVCache
+    start: int
+    """Cache slot of the step's first token."""
+    rope: Rope
+    mask: torch.Tensor | None = None
+    """(batch, 1, tokens, start + tokens), True where a query may attend (padded batches);
+    None: every earlier slot is a real token (causal within a multi-token step)."""
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -41,9 +56,7 @@ class FusedAttention(nn.Module):
         self.k_norm: nn.Module | None = qk_norms[1] if qk_norms is not None else None
         self.widths = [self.q_heads * self.head_dim] + [self.kv_heads * self.head_dim] * 2
 
-    def forward(
-        self, x: torch.Tensor, cache: StaticKVCache, start: int, rope: Rope
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         batch, tokens, _ = x.shape
         q, k, v = self.qkv(x).split(self.widths, dim=-1)
         q = q.view(batch, tokens, self.q_heads, self.head_dim)
@@ -52,18 +65,19 @@ class FusedAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(batch, tokens, self.kv_heads, self.head_dim).transpose(1, 2)
-        if rope is not None:
-            cos, sin = rope[0].unsqueeze(1), rope[1].unsqueeze(1)
+        if step.rope is not None:
+            cos, sin = step.rope[0].unsqueeze(1), step.rope[1].unsqueeze(1)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
-        keys, values = cache.write(self.layer, start, k, v)
-        # a prompt is run from position 0 only, so "causal" lines up with the cache
-        assert tokens == 1 or start == 0, "multi-token steps must start at position 0"
+        keys, values = step.cache.write(self.layer, step.start, k, v)
+        # a prompt is run from slot 0 only, so "causal" lines up with the cache
+        assert tokens == 1 or step.start == 0, "multi-token steps must start at slot 0"
         attn = F.scaled_dot_product_attention(
             q,
             keys,
             values,
-            is_causal=tokens > 1,
+            attn_mask=step.mask,
+            is_causal=tokens > 1 and step.mask is None,
             scale=self.scale,
             enable_gqa=self.q_heads != self.kv_heads,
         )

@@ -6,8 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shardspeed.inference.fused.attention import FusedAttention, Rope
-from shardspeed.inference.fused.kv_cache import StaticKVCache
+from shardspeed.inference.fused.attention import FusedAttention, Step
 
 __all__ = ["GatedBlock", "PlainBlock"]
 
@@ -27,10 +26,8 @@ class GatedBlock(nn.Module):
         self.norm1, self.norm2 = norms
         self.attn, self.gate_up, self.act, self.down = attn, gate_up, act, down
 
-    def forward(
-        self, x: torch.Tensor, cache: StaticKVCache, start: int, rope: Rope
-    ) -> torch.Tensor:
-        h = x + self.attn(self.norm1(x), cache, start, rope)
+    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        h = x + self.attn(self.norm1(x), step)
         gate, up = self.gate_up(self.norm2(h)).chunk(2, dim=-1)
         out: torch.Tensor = h + self.down(self.act(gate) * up)
         return out
@@ -46,9 +43,7 @@ class PlainBlock(nn.Module):
         self.norm1, self.norm2 = norms
         self.attn, self.mlp = attn, mlp
 
-    def forward(
-        self, x: torch.Tensor, cache: StaticKVCache, start: int, rope: Rope
-    ) -> torch.Tensor:
-        h = x + self.attn(self.norm1(x), cache, start, rope)
+    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        h = x + self.attn(self.norm1(x), step)
         out: torch.Tensor = h + self.mlp(self.norm2(h))
         return out

@@ -9,10 +9,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardspeed.inference.fused.attention import Rope
+from shardspeed.inference.fused.attention import Rope, Step
 from shardspeed.inference.fused.kv_cache import StaticKVCache
 
-__all__ = ["CacheShape", "FusedCausalLM"]
+__all__ = ["CacheShape", "FusedCausalLM", "Padding"]
 
 # generate() arguments the fused loop honours; anything else goes to Hugging Face's generate
 _ACCEPTED = frozenset(
@@ -39,6 +39,36 @@ class CacheShape:
     kv_heads: int
     head_dim: int
     capacity: int
+
+
+@dataclass(frozen=True)
+class Padding:
+    """A padded batch: which cache slots hold real tokens and each slot's position.
+
+    Positions count real tokens only (Hugging Face's ``cumsum(mask) - 1``), so a left-padded
+    prompt starts at position 0 like an unpadded one; generated tokens are always real."""
+
+    valid: torch.Tensor
+    """(batch, slots) bool: slot holds a real token."""
+    positions: torch.Tensor
+    """(batch, slots) position of each slot's token (0 where padded)."""
+
+    @classmethod
+    def of(cls, attention_mask: torch.Tensor, slots: int) -> Padding:
+        batch, prompt = attention_mask.shape
+        valid = torch.ones(batch, slots, dtype=torch.bool, device=attention_mask.device)
+        valid[:, :prompt] = attention_mask.bool()
+        positions = (valid.long().cumsum(dim=-1) - 1).clamp(min=0)
+        return cls(valid, positions)
+
+    def attention_mask(self, start: int, tokens: int) -> torch.Tensor:
+        """(batch, 1, tokens, start + tokens): a query attends to earlier real slots and to
+        itself (so a padded query has one key and SDPA no empty row)."""
+        slots = torch.arange(start + tokens, device=self.valid.device)
+        queries = torch.arange(start, start + tokens, device=self.valid.device)[:, None]
+        causal = slots[None, :] <= queries
+        allowed = causal & self.valid[:, None, : start + tokens]
+        return (allowed | (slots[None, :] == queries)).unsqueeze(1)
 
 
 class FusedCausalLM(nn.Module):
@@ -76,20 +106,33 @@ class FusedCausalLM(nn.Module):
         return self._cache
 
     def forward(
-        self, ids: torch.Tensor, cache: StaticKVCache, start: int, all_logits: bool = False
+        self,
+        ids: torch.Tensor,
+        cache: StaticKVCache,
+        start: int,
+        all_logits: bool = False,
+        padding: Padding | None = None,
     ) -> torch.Tensor:
-        """Logits for ``ids`` at positions ``start ...`` (the last position only unless
-        ``all_logits``), writing their keys and values into ``cache``."""
+        """Logits for ``ids`` written at cache slots ``start ...`` (the last token's only unless
+        ``all_logits``). Without ``padding`` slot ``i`` is position ``i`` and every slot is a
+        real token; with it, positions and the attention mask come from ``padding``."""
         tokens = ids.shape[1]
+        if padding is None:
+            positions = torch.arange(start, start + tokens, device=ids.device)[None]
+            mask = None
+        else:
+            positions = padding.positions[:, start : start + tokens]
+            mask = padding.attention_mask(start, tokens)
         x = self.embed(ids)
         if self.positions is not None:
-            x = x + self.positions(torch.arange(start, start + tokens, device=ids.device))
+            x = x + self.positions(positions)
         rope: Rope = None
         if self.rope_tables is not None:
             cos, sin = self.rope_tables
-            rope = (cos[:, start : start + tokens], sin[:, start : start + tokens])
+            rope = (cos[0][positions], sin[0][positions])
+        step = Step(cache, start, rope, mask)
         for block in self.blocks:
-            x = block(x, cache, start, rope)
+            x = block(x, step)
         x = x if all_logits else x[:, -1:]
         logits: torch.Tensor = self.head(self.norm(x))
         return logits if all_logits else logits[:, -1]
@@ -105,7 +148,7 @@ class FusedCausalLM(nn.Module):
             and ids.dim() == 2
             and not kwargs.get("do_sample")
             and kwargs.get("num_beams") in (None, 1)
-            and (mask is None or bool(mask.all()))
+            and (mask is None or (isinstance(mask, torch.Tensor) and mask.shape == ids.shape))
         )
 
     @torch.no_grad()
@@ -120,7 +163,9 @@ class FusedCausalLM(nn.Module):
                 f"{self.cache_shape.capacity}; raise max_out_tokens in the inference config."
             )
         cache = self.cache_for(batch, self.dtype, ids.device)
-        logits = self(ids, cache, 0)
+        mask = kwargs.get("attention_mask")
+        padding = None if mask is None or bool(mask.all()) else Padding.of(mask, prompt + new)
+        logits = self(ids, cache, 0, padding=padding)
         done = torch.zeros(batch, dtype=torch.bool, device=ids.device)
         out = []
         for step in range(new):
@@ -133,7 +178,7 @@ class FusedCausalLM(nn.Module):
             out.append(token)
             if (eos is not None and bool(done.all())) or step + 1 == new:
                 break
-            logits = self(token[:, None], cache, prompt + step)
+            logits = self(token[:, None], cache, prompt + step, padding=padding)
         return torch.cat([ids, torch.stack(out, dim=1)], dim=1)
 
     def _limits(
