@@ -10,10 +10,13 @@ The ``aio`` section is honoured as follows:
 
 - ``block_size``: bytes per request (one system call); rounded up to 4096 under ``O_DIRECT``.
 - ``intra_op_parallelism``: worker threads (DeepSpeed's former ``thread_count``).
-- ``queue_depth``: requests in flight per thread; a caller that submits more waits in
+- ``queue_depth``: at most ``queue_depth x threads`` submissions are queued or running at once
+  (a submission is one request, or with ``single_submit=False`` a batch of up to
+  ``queue_depth`` requests); a caller that would exceed that waits in
   :meth:`~TensorSwapper.write` / :meth:`~TensorSwapper.read` for a free slot (never fails).
 - ``single_submit``: True hands requests to the pool one by one; False (default) hands them in
-  batches of up to ``queue_depth`` per worker task (fewer hand-offs between threads).
+  batches of up to ``queue_depth`` per worker task (fewer hand-offs between threads), an
+  operation's requests spread over all threads.
 - ``overlap_events``: True (default) lets a new operation start while earlier ones complete;
   False makes each operation wait for all earlier ones first.
 - ``use_gds``: not available (it needs a native GPUDirect Storage binding); warns and goes on.
