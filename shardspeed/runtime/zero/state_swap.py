@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -55,8 +56,9 @@ class SwapStore:
         self._writes: list[tuple[Item, SwapHandle]] = []
         #: keys whose file matches the tensor in memory (read and not changed since)
         self._clean: set[str] = set()
-        #: registered tensors (parameter shards), by id
-        self._registered: dict[int, str] = {}
+        #: registered tensors (parameter shards): id -> (key, a weak reference to the tensor,
+        #: so a later tensor that reuses a dead one's id is not taken for it)
+        self._registered: dict[int, tuple[str, weakref.ref[torch.Tensor]]] = {}
         #: keys whose tensor is in use and must stay in memory (still written when asked)
         self._pinned: set[str] = set()
 
@@ -75,10 +77,11 @@ class SwapStore:
     # -- registered tensors (parameter shards) ---------------------------------------------
     def register(self, key: str, tensor: torch.Tensor) -> None:
         """``tensor`` is swapped under ``key`` from now on (written out by :meth:`evict`)."""
-        self._registered[id(tensor)] = key
+        self._registered[id(tensor)] = (key, weakref.ref(tensor))
 
     def key_of(self, tensor: torch.Tensor) -> str | None:
-        return self._registered.get(id(tensor))
+        entry = self._registered.get(id(tensor))
+        return entry[0] if entry is not None and entry[1]() is tensor else None
 
     def fetch(self, key: str, tensor: torch.Tensor) -> None:
         """``tensor`` in memory (read back now if it is on disk)."""
@@ -164,7 +167,7 @@ class SwapStore:
     def forget(self) -> None:
         """The optimizer's state was replaced (a checkpoint loaded): no state is on disk."""
         self.finish_writes()
-        shards = set(self._registered.values())
+        shards = {key for key, _ in self._registered.values()}
         self._on_disk.intersection_update(shards)
         self._clean.intersection_update(shards)
 

@@ -182,3 +182,38 @@ def full_disk_message(stage: int, folder: str, params: bool) -> str:
         return f"{type(error).__name__}: {error}"
     engine.destroy()
     return ""
+
+
+def init_built_model_offloaded(folder: str) -> None:
+    """A GPT built under zero.Init with small (persistent) and large units, parameters and
+    optimizer state on NVMe: trains like the same model built and trained without offload."""
+    from examples.gpt_model import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=1024, block_size=8, n_layer=2, n_head=4, n_embd=128)
+    zero: dict[str, Any] = {"stage3_param_persistence_threshold": 10_000}
+    offload = {
+        "offload_param": {"device": "nvme", "nvme_path": folder},
+        "offload_optimizer": offload_section("nvme", folder),
+    }
+    config = adamw_config(2, 1, 1.0, zero_optimization={"stage": 3, **zero, **offload})
+    torch.manual_seed(0)
+    with shardspeed.zero.Init(config_dict_or_path=config):
+        model = GPT(cfg)
+    swapped, *_ = shardspeed.initialize(model=model, config=config)
+    torch.manual_seed(0)
+    plain = _engine(GPT(cfg), 3, zero=zero)
+    tokens = torch.randint(
+        256, (4 * dist.get_world_size(), 9), generator=torch.Generator().manual_seed(1)
+    )
+    for step in range(4):
+        rows = rank_rows(step % 2, 0, 2, 1)
+        losses = []
+        for engine in (plain, swapped):
+            loss = engine(tokens[rows, :-1], tokens[rows, 1:])
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=1e-7)
+    assert shard_bytes_in_memory(swapped) == 0
+    for engine in (plain, swapped):
+        engine.destroy()

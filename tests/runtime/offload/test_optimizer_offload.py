@@ -112,3 +112,8 @@ def test_a_full_disk_is_refused_before_training(dist_pool, tmp_path, stage, para
         messages = dist_pool(2).run(offload_ranks.full_disk_message, stage, str(target), params)
     for message in messages:
         assert str(target) in message and "free" in message, message
+
+
+@pytest.mark.parametrize("world", [1, 2], ids=["w1", "w2"])
+def test_init_built_model_trains_from_nvme(dist_pool, tmp_path, world):
+    dist_pool(world).run(offload_ranks.init_built_model_offloaded, str(tmp_path))
