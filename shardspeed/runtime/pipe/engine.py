@@ -96,6 +96,9 @@ class PipelineEngine(DeepSpeedEngine):
         self.stage_id = self.grid.get_stage_id()
         self.prev_stage = self.stage_id - 1
         self.next_stage = self.stage_id + 1
+        last = self.grid.pipe_parallel_size - 1
+        self._prev_rank = self.grid.stage_to_global(max(self.prev_stage, 0))
+        self._next_rank = self.grid.stage_to_global(min(self.next_stage, last))
         self.micro_batches = self.gradient_accumulation_steps()
         self.micro_batch_size = self.train_micro_batch_size_per_gpu()
         self.is_pipe_parallel = self.num_stages > 1
@@ -314,6 +317,10 @@ class PipelineEngine(DeepSpeedEngine):
     def _exec_schedule(self, sched: schedule.PipeSchedule, training: bool) -> None:
         self._training = training
         self._reset_buffers(sched.num_pipe_buffers())
+        if not self.is_first_stage():
+            self.channel.expect(self._prev_rank, "act", sched.num_micro_batches)
+        if training and not self.is_last_stage():
+            self.channel.expect(self._next_rank, "grad", sched.num_micro_batches)
         times = self.instruction_seconds
         for step_cmds in sched:
             for cmd in step_cmds:
@@ -400,17 +407,13 @@ class PipelineEngine(DeepSpeedEngine):
 
     def _exec_send_activations(self, cmd: schedule.SendActivation) -> None:
         outputs = self.pipe_buffers["outputs"][cmd.buffer_id]
-        self.channel.send_activations(
-            outputs, self.grid.stage_to_global(self.next_stage), self._training
-        )
+        self.channel.send_activations(outputs, self._next_rank, self._training)
         self.first_output_send = False
         if not self._training:
             self.pipe_buffers["outputs"][cmd.buffer_id] = None
 
     def _exec_recv_activations(self, cmd: schedule.RecvActivation) -> None:
-        inputs, meta = self.channel.recv_activations(
-            self.grid.stage_to_global(self.prev_stage), self._training
-        )
+        inputs, meta = self.channel.recv_activations(self._prev_rank, self._training)
         self.pipe_buffers["inputs"][cmd.buffer_id] = inputs
         self.pipe_buffers["meta"][cmd.buffer_id] = meta
 
@@ -418,14 +421,14 @@ class PipelineEngine(DeepSpeedEngine):
         inputs = self.pipe_buffers["inputs"][cmd.buffer_id]
         meta: MessageMeta = self.pipe_buffers["meta"][cmd.buffer_id]
         grads = [t.grad for t in _tensors(inputs) if t.requires_grad]
-        self.channel.send_grads(grads, meta, self.grid.stage_to_global(self.prev_stage))
+        self.channel.send_grads(grads, meta, self._prev_rank)
         self.pipe_buffers["inputs"][cmd.buffer_id] = None
         self.pipe_buffers["meta"][cmd.buffer_id] = None
 
     def _exec_recv_grads(self, cmd: schedule.RecvGrad) -> None:
         outputs = self.pipe_buffers["outputs"][cmd.buffer_id]
         self.pipe_buffers["output_grads"][cmd.buffer_id] = self.channel.recv_grads(
-            outputs, self.grid.stage_to_global(self.next_stage)
+            outputs, self._next_rank
         )
 
     def _exec_reduce_tied_grads(self, cmd: schedule.ReduceTiedGrads) -> None:

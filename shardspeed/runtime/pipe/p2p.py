@@ -16,7 +16,11 @@ activations that required grad, in the same order.
 Sends are asynchronous (``isend``): a stage goes on computing while its neighbour has not yet
 reached the matching receive (gloo and NCCL hold a large send until then). The channel keeps
 each message alive until its send completes; :meth:`P2PChannel.wait_sends` waits for all of
-them (the engine calls it at the end of every schedule). Receives block: their data is needed.
+them (the engine calls it at the end of every schedule). Receives are posted one message
+ahead: once a message from a neighbour has arrived and more are expected from it in this
+schedule (:meth:`P2PChannel.expect`), the next one's ``irecv`` is posted with the cached
+description (shapes are fixed within a schedule unless they are described every time), so its
+transfer overlaps this stage's compute.
 """
 
 from __future__ import annotations
@@ -114,6 +118,46 @@ class P2PChannel:
         self._received: dict[tuple[int, bool], MessageMeta] = {}
         #: (work handle, tensor) of sends not known to be complete
         self._pending: list[tuple[Any, torch.Tensor]] = []
+        #: (peer, kind) -> messages still expected from it in this schedule
+        self._expected: dict[tuple[int, str], int] = {}
+        #: (peer, kind) -> the next message's receives, posted early: [(handle, tensor)]
+        self._posted: dict[tuple[int, str], list[tuple[Any, torch.Tensor]]] = {}
+
+    def expect(self, peer: int, kind: str, count: int) -> None:
+        """``count`` messages of ``kind`` ("act" or "grad") will come from ``peer`` in this
+        schedule (nothing more: receives are posted ahead only within that count)."""
+        assert not self._posted.get((peer, kind)), "a receive is still posted from the last one"
+        self._expected[(peer, kind)] = count
+
+    def _prefetching(self) -> bool:
+        return not (self.dynamic_shape or self.describe_always)
+
+    def _take(
+        self, peer: int, kind: str, templates: Sequence[tuple[tuple[int, ...], torch.dtype]]
+    ) -> list[torch.Tensor]:
+        """The next message of ``kind`` from ``peer``: the posted receives, waited for, or
+        received now; then the following one is posted if more are expected."""
+        key = (peer, kind)
+        posted = self._posted.pop(key, None)
+        if posted is not None:
+            for work, _ in posted:
+                work.wait()
+            tensors = [tensor for _, tensor in posted]
+        else:
+            tensors = []
+            for shape, dtype in templates:
+                tensor = torch.empty(shape, dtype=dtype, device=self.device)
+                comm.recv(tensor, peer)
+                tensors.append(tensor)
+        left = self._expected.get(key, 0) - 1
+        self._expected[key] = left
+        if left > 0 and self._prefetching():
+            ahead = []
+            for shape, dtype in templates:
+                tensor = torch.empty(shape, dtype=dtype, device=self.device)
+                ahead.append((comm.irecv(tensor, peer), tensor))
+            self._posted[key] = ahead
+        return tensors
 
     def _send(self, tensor: torch.Tensor, dst: int) -> None:
         tensor = tensor.detach().contiguous()
@@ -164,10 +208,9 @@ class P2PChannel:
             comm.recv(encoded, src)
             meta = MessageMeta.decode(encoded.tolist())
             self._received[key] = meta
+        received = self._take(src, "act", [(m.shape, m.dtype) for m in meta.tensors])
         tensors = []
-        for tensor_meta in meta.tensors:
-            tensor = torch.empty(tensor_meta.shape, dtype=tensor_meta.dtype, device=self.device)
-            comm.recv(tensor, src)
+        for tensor, tensor_meta in zip(received, meta.tensors, strict=True):
             if tensor_meta.requires_grad and training:
                 tensor.requires_grad_()
             tensors.append(tensor)
@@ -185,10 +228,5 @@ class P2PChannel:
     def recv_grads(self, outputs: Any, src: int) -> list[torch.Tensor]:
         """The gradients of this stage's ``outputs`` that require grad, from the next stage."""
         tensors = outputs if isinstance(outputs, tuple) else (outputs,)
-        grads = []
-        for tensor in tensors:
-            if tensor.requires_grad:
-                grad = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-                comm.recv(grad, src)
-                grads.append(grad)
-        return grads
+        templates = [(tuple(t.shape), t.dtype) for t in tensors if t.requires_grad]
+        return self._take(src, "grad", templates)
