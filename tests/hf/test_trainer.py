@@ -55,6 +55,9 @@ def _check_run(results: dict[str, list[dict]]) -> float:
             assert result["resumed_losses"][step] == result["losses"][step], (case, step)
         assert result["resumed_score"] == result["score"], case
         assert result["score"] == pytest.approx(results["ddp"][0]["score"], rel=RTOL)
+        # trainer.evaluate() through the engine (ZeRO-3 gathers in the forward), gathered
+        assert ranks[1]["eval_loss"] == result["eval_loss"]
+        assert result["eval_loss"] == pytest.approx(results["ddp"][0]["eval_loss"], rel=RTOL)
     for case in ("ddp", "z2"):
         for result in results[case]:
             assert result["loaded_bytes"]["held"] == result["loaded_bytes"]["full"]

@@ -5,7 +5,7 @@ One process group serves every sub-case, in order. Each sub-case builds ``Traini
 first and only then ``from_pretrained`` (so under ZeRO-3 ``HfDeepSpeedConfig`` makes
 ``zero.Init`` partition the model while it loads), grows the vocabulary
 (``resize_token_embeddings``), trains ``MAX_STEPS`` steps with a checkpoint every
-``SAVE_STEPS``, scores the trained model, ``save_model()``s it, and trains again from a fresh
+``SAVE_STEPS``, scores the trained model (and ``evaluate()``s it), ``save_model()``s it, and trains again from a fresh
 load resuming from the first checkpoint. Each rank writes ``OUT/<case>/rank<R>.json``.
 
 ``--config-file``: hand ``TrainingArguments`` a JSON file path instead of a dict.
@@ -115,6 +115,7 @@ def run_case(name: str, root: Path, init_dir: Path, config_file: bool) -> dict[s
     trainer.train()
     result["losses"] = losses(trainer)
     result["score"] = score(trainer.model_wrapped)
+    result["eval_loss"] = trainer.evaluate(RandomTokens(samples=8, seed=2))["eval_loss"]
     result["engine"] = type(trainer.model_wrapped).__name__
     trainer.save_model(str(case_dir / "final"))
     del trainer, model
