@@ -5,8 +5,8 @@ One process group serves every sub-case, in order. Each sub-case builds ``Traini
 first and only then ``from_pretrained`` (so under ZeRO-3 ``HfDeepSpeedConfig`` makes
 ``zero.Init`` partition the model while it loads), grows the vocabulary
 (``resize_token_embeddings``), trains ``MAX_STEPS`` steps with a checkpoint every
-``SAVE_STEPS``, scores the trained model (and ``evaluate()``s it), ``save_model()``s it, and trains again from a fresh
-load resuming from the first checkpoint. Each rank writes ``OUT/<case>/rank<R>.json``.
+``SAVE_STEPS``, scores the trained model (and ``evaluate()``s it), ``save_model()``s it, and
+trains again from a fresh load resuming from the first checkpoint. Each rank writes ``OUT/<case>/rank<R>.json``.
 
 ``--config-file``: hand ``TrainingArguments`` a JSON file path instead of a dict.
 """
