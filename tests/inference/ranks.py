@@ -182,3 +182,14 @@ def load_peak_rss(directory: str) -> dict[str, int]:
         "full": full,
         "growth": rss.growth,
     }
+
+
+def tp_in_subgroups() -> dict[str, Any]:
+    """TP 2 on a world of 4: two groups of consecutive ranks, each equal to one process."""
+    reference = models.build("llama")
+    ids = models.prompt()
+    engine = shardspeed.init_inference(
+        copy.deepcopy(reference), tensor_parallel={"tp_size": 2}, dtype=torch.float32
+    )
+    err = (engine(ids).logits - reference(ids).logits).abs().max().item()
+    return {"tp_rank": engine.tp.rank, "tp_size": engine.mp_world_size, "max_err": err}

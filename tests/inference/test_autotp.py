@@ -57,3 +57,9 @@ def test_loading_holds_the_slice_plus_at_most_one_shard(dist_pool, tmp_path):
         limit = figures["slice"] + figures["largest_shard"] + 2 * 2**20
         assert figures["growth"] <= limit, figures
         assert figures["growth"] < figures["full"], figures
+
+
+def test_tp_groups_of_consecutive_ranks(dist_pool):
+    results = dist_pool(4).run(ranks.tp_in_subgroups)
+    assert [r["tp_rank"] for r in results] == [0, 1, 0, 1]
+    assert all(r["tp_size"] == 2 and r["max_err"] < 1e-5 for r in results), results
