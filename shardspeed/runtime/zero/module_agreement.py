@@ -59,3 +59,17 @@ class ModuleAgreement:
             "differently per rank (a Mixture-of-Experts layer) as a leaf with "
             "shardspeed.utils.set_z3_leaf_modules or zero_optimization.leaf_module"
         )
+
+    def all_succeeded(self, failure: BaseException | None, what: str) -> None:
+        """Raise on every rank if any rank failed to ``what`` (``failure``: this rank's error),
+        so no rank goes on into a collective the failed one will never join."""
+        if self.comm.partitioned:  # (a None group is the world)
+            flag = torch.tensor([0.0 if failure is None else 1.0])
+            comm.all_reduce(flag, op=comm.ReduceOp.MAX, group=self._host)
+            if failure is None and flag.item() > 0:
+                raise RuntimeError(
+                    f"another rank failed to {what} (its error names the cause); this rank "
+                    "stops too"
+                )
+        if failure is not None:
+            raise failure

@@ -120,13 +120,28 @@ class ParamSharding:
         self._offload_units()
 
     def _offload_units(self) -> None:
+        for unit in self.units:
+            if not unit.persistent:
+                self._offload_unit(unit)
+
+    def _offload_unit_agreed(self, unit: GatherUnit) -> None:
+        """Offload ``unit``; with NVMe, every rank learns whether every rank could (a full
+        disk on one rank must not leave the others waiting in the next unit's broadcast)."""
+        if self._offload_store is None:
+            self._offload_unit(unit)
+            return
+        failure = None
+        try:
+            self._offload_unit(unit)
+        except Exception as error:  # noqa: BLE001 - re-raised below, after the agreement
+            failure = error
+        self.agreement.all_succeeded(failure, f"swap {describe_unit(self.units, unit.index)} out")
+
+    def _offload_unit(self, unit: GatherUnit) -> None:
         if self._offload_host is None and self._offload_store is None:
             return
-        for unit in self.units:
-            if unit.persistent:
-                continue
-            for number, flat in enumerate(unit.flats):
-                flat.offload(self._offload_host, self._offload_store, f"unit{unit.index}_{number}")
+        for number, flat in enumerate(unit.flats):
+            flat.offload(self._offload_host, self._offload_store, f"unit{unit.index}_{number}")
 
     # -- setting up -------------------------------------------------------------------------
     @torch.no_grad()
@@ -140,6 +155,11 @@ class ParamSharding:
         values. Parameters partitioned at construction (``zero.Init``) are gathered one unit at
         a time, so the whole model is never held at once."""
         constructed = constructed_units(self.module)
+        # how many of each construction-time unit's parameters are still to move: its shards
+        # are freed as soon as none is left (never two copies of the model's shards at once)
+        left: dict[int, int] = {}
+        for built in constructed.values():
+            left[id(built)] = len(built.records)
         budget = self.options.model_persistence_threshold
         for unit in self.units:
             earlier = _distinct(constructed.get(id(r.param)) for r in unit.records)
@@ -161,8 +181,16 @@ class ParamSharding:
             for record in unit.records:
                 mark_partitioned(record.param)
             unit.release()
+            if not unit.persistent:
+                self._offload_unit_agreed(unit)
             for done in earlier:
                 done.release()
+            for record in unit.records:
+                source = constructed.get(id(record.param))
+                if source is not None:
+                    left[id(source)] -= 1
+                    if left[id(source)] == 0:
+                        source.flats = []  # every parameter moved: its shards go
         forget_constructed_units(self.module)
         # the whole forward's boundaries: before every unit's hooks, and after them
         self._handles.append(

@@ -104,13 +104,13 @@ class ParamPartitionStrategy(PartitionedStrategy):
                 if dp.partitioned:
                     comm.broadcast(placed, src=src, group=dp.group)
                 module._buffers[key] = placed
-        self.sharding.shard(
-            dtype if dtype != torch.float32 else None, device, src if dp.partitioned else None
-        )
-        if self.param_offload.enabled:
+        if self.param_offload.enabled:  # each unit goes out as soon as it is sharded
             host = torch.device("cpu") if self.param_offload.device == "cpu" else None
             store = self.swap_store() if self.param_offload.to_nvme else None
             self.sharding.offload_to(host, store)
+        self.sharding.shard(
+            dtype if dtype != torch.float32 else None, device, src if dp.partitioned else None
+        )
 
     def make_group(self, records: list[ParamRecord], comm_group: CommGroup) -> ShardGroup:
         return ShardedParamsGroup(
