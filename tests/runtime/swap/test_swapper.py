@@ -240,3 +240,29 @@ def test_use_gds_warns_and_goes_on(tmp_path: Path) -> None:
         swapper = TensorSwapper(tmp_path, AioConfig(use_gds=True))
     with swapper:
         swapper.write("k", torch.ones(3)).wait()
+
+
+def test_filesystem_without_o_direct_falls_back_to_buffered_io(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where open(O_DIRECT) fails with EINVAL (tmpfs on older kernels, some network
+    filesystems) the swapper uses buffered I/O; asking for O_DIRECT there is a clear error."""
+    real_open = os.open
+
+    def no_direct(path: str, flags: int, mode: int = 0o777) -> int:
+        if flags & os.O_DIRECT:
+            raise OSError(22, "Invalid argument", path)
+        return real_open(path, flags, mode)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    assert not direct_io_supported(tmp_path)
+    data = tensors(2)
+    with TensorSwapper(tmp_path, AioConfig(block_size=8192)) as swapper:
+        assert swapper.direct is False
+        for k, t in data.items():
+            swapper.write(k, t)
+        swapper.wait_all()
+        for k, t in data.items():
+            assert torch.equal(read_back(swapper, k, t), t)
+    with pytest.raises(SwapPathError, match="does not support O_DIRECT"):
+        TensorSwapper(tmp_path, o_direct=True)
