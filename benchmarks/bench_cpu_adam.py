@@ -11,7 +11,8 @@ machine is shared: the max is the least disturbed figure). ``copy_gbps`` counts 
 plus written by ``dst.copy_(src)``, as STREAM does; ``bound_gparam_s`` divides it by the 28
 bytes an fp32 Adam step reads and writes per parameter (param, grad, two moments read; param
 and moments written). ``bf16_fp32_states`` is ours on bf16 parameters with fp32 moments (the
-chunked upcast path). Prints one JSON line.
+blocked upcast path); ``shardspeed_cpu_adagrad`` and ``shardspeed_cpu_lion`` are the other CPU
+optimizers on the same tensor (``--no-others`` skips them). Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
+from shardspeed.ops.adagrad import DeepSpeedCPUAdagrad  # noqa: E402
 from shardspeed.ops.adam import DeepSpeedCPUAdam  # noqa: E402
+from shardspeed.ops.lion import DeepSpeedCPULion  # noqa: E402
 
 Make = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -38,6 +41,10 @@ OPTIMIZERS: dict[str, Make] = {
         ps, lr=1e-3, weight_decay=0.01, foreach=True
     ),
     "torch_adamw_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, fused=True),
+}
+OTHERS: dict[str, Make] = {
+    "shardspeed_cpu_adagrad": lambda ps: DeepSpeedCPUAdagrad(ps, lr=1e-2),
+    "shardspeed_cpu_lion": lambda ps: DeepSpeedCPULion(ps, lr=1e-4, weight_decay=0.01),
 }
 
 
@@ -76,16 +83,18 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--no-bf16", action="store_true", help="skip the bf16-parameter figure")
+    p.add_argument("--no-others", action="store_true", help="skip CPU Adagrad and Lion")
     args = p.parse_args()
+    optimizers = OPTIMIZERS if args.no_others else {**OPTIMIZERS, **OTHERS}
     n = args.numel
     gen = torch.Generator().manual_seed(0)
     param = torch.nn.Parameter(torch.randn(n, generator=gen))
     param.grad = torch.randn(n, generator=gen) * 1e-2
-    rates: dict[str, list[float]] = {name: [] for name in OPTIMIZERS}
+    rates: dict[str, list[float]] = {name: [] for name in optimizers}
     rates["bf16_fp32_states"] = []
     copy_gbps: list[float] = []
     for _ in range(args.rounds):
-        for name, make in OPTIMIZERS.items():
+        for name, make in optimizers.items():
             opt = make([param])
             rates[name] += [n / s / 1e9 for s in time_steps(opt, args.steps)]
             del opt
