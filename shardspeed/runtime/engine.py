@@ -11,7 +11,7 @@ hooks. It never branches on the ZeRO stage.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -24,6 +24,7 @@ from shardspeed.runtime.checkpoint_writer import PendingSave
 from shardspeed.runtime.dataloader import DeepSpeedDataLoader, build_dataloader
 from shardspeed.runtime.engine_parts import EngineParts
 from shardspeed.runtime.precision.autocast import autocast_if_enabled
+from shardspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
 from shardspeed.runtime.zero.optimizer import ZeroOptimizer
 from shardspeed.utils.logging import log_dist
 from shardspeed.utils.timer import (
@@ -435,6 +436,22 @@ class DeepSpeedEngine(nn.Module):
         """Free the ZeRO-3 parameters kept gathered between uses (the persistent small ones);
         they are gathered again when next used. Nothing to free at stages 0-2."""
         self.strategy.empty_partition_cache()
+
+    def offload_states(
+        self,
+        include: Container[OffloadStateTypeEnum] | None = None,
+        device: OffloadDeviceEnum = OffloadDeviceEnum.cpu,
+        pin_memory: bool = True,
+        non_blocking: bool = False,
+    ) -> None:
+        """Move training state (``include``: kinds of
+        ``runtime.zero.offload_config.OffloadStateTypeEnum``, None: all) to host memory until
+        :meth:`reload_states`; only ``device="cpu"`` is supported, as in DeepSpeed."""
+        self.strategy.state_offloader.offload(include, device, pin_memory, non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Move what :meth:`offload_states` moved back where it was."""
+        self.strategy.state_offloader.reload(non_blocking)
 
     def wait_for_checkpoint(self) -> None:
         """Wait until the checkpoint being written in the background (``checkpoint.writer

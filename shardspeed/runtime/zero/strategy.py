@@ -46,6 +46,7 @@ from shardspeed.runtime.precision.policy import PrecisionPolicy
 from shardspeed.runtime.zero.comm_group import CommGroup
 from shardspeed.runtime.zero.grad_norm import GradSquares
 from shardspeed.runtime.zero.offload import OptimizerOffload, ParamOffload
+from shardspeed.runtime.zero.offload_states import StateOffloader
 from shardspeed.runtime.zero.records import ParamRecord, ParamRegistry, record_of
 from shardspeed.runtime.zero.reduce_options import GradReduceOptions
 from shardspeed.runtime.zero.shard_group import GroupOptions, ParamFragment, ShardGroup
@@ -108,6 +109,8 @@ class ZeroStrategy:
         self.param_offload = ParamOffload.from_config(ctx.zero_config)
         self.placement = self.offload.placement(ctx.device)
         self._swap_store: SwapStore | None = None
+        #: engine.offload_states / reload_states
+        self.state_offloader = StateOffloader(self)
         self.groups: list[ShardGroup] = []
         self.optimizer: torch.optim.Optimizer | None = None
         self.stepper = SubGroupStepper(0, None, [])

@@ -217,3 +217,49 @@ def init_built_model_offloaded(folder: str) -> None:
     assert shard_bytes_in_memory(swapped) == 0
     for engine in (plain, swapped):
         engine.destroy()
+
+
+def offload_states_round_trip(stage: int) -> dict[str, list[str]]:
+    """offload_states / reload_states between steps: training goes on bit-identically to an
+    engine that never offloaded; get_state_devices names where each kind of state is."""
+    from shardspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
+    from shardspeed.runtime.zero.offload_states import get_state_devices
+
+    torch.manual_seed(0)
+    task = make_task("gpt", rows=8 * 2 * dist.get_world_size())
+    base = task.build()
+    zero = {"stage3_param_persistence_threshold": 0}
+    moving, still = (_engine(copy.deepcopy(base), stage, zero=zero) for _ in range(2))
+    x, y = task.data
+    kinds = [OffloadStateTypeEnum.optim_states, OffloadStateTypeEnum.hp_params]
+    kinds += [OffloadStateTypeEnum.lp_grads, OffloadStateTypeEnum.contiguous_grad_buffer]
+    if stage == 3:
+        kinds.append(OffloadStateTypeEnum.lp_params)
+    devices: dict[str, list[str]] = {}
+    for step in range(4):
+        rows = rank_rows(step, 0, 2, 1)
+        losses = []
+        for engine in (moving, still):
+            loss = engine(x[rows], y[rows])
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        assert losses[0] == losses[1], losses
+        moving.offload_states(include=kinds, device=OffloadDeviceEnum.cpu, pin_memory=True)
+        for kind in kinds:
+            devices[kind.value] = sorted(str(d) for d in get_state_devices(moving, kind))
+        moving.reload_states()
+    refusals = []
+    try:
+        moving.offload_states(device="nvme")
+    except ValueError as error:
+        refusals.append(str(error))
+    if stage < 3:
+        try:
+            moving.offload_states(include=[OffloadStateTypeEnum.lp_params])
+        except NotImplementedError as error:
+            refusals.append(str(error))
+    devices["refusals"] = refusals
+    for engine in (moving, still):
+        engine.destroy()
+    return devices

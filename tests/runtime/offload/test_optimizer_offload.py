@@ -120,3 +120,19 @@ def test_a_full_disk_is_refused_before_training(dist_pool, tmp_path, stage, para
 @pytest.mark.parametrize("world", [1, 2], ids=["w1", "w2"])
 def test_init_built_model_trains_from_nvme(dist_pool, tmp_path, world):
     dist_pool(world).run(offload_ranks.init_built_model_offloaded, str(tmp_path))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_offload_states_round_trip(dist_pool, stage):
+    """engine.offload_states / reload_states (only 'cpu', as DeepSpeed): training continues
+    bit-identically, and get_state_devices reports where each kind is (the host here)."""
+    for devices in dist_pool(2).run(offload_ranks.offload_states_round_trip, stage):
+        refusals = devices.pop("refusals")
+        assert all(found in ([], ["cpu"]) for found in devices.values()), devices
+        assert devices["optim_states"] == ["cpu"]
+        if stage == 3:
+            assert devices["lp_params"] == ["cpu"]
+        assert "only 'cpu' is supported" in refusals[0]
+        assert len(refusals) == (2 if stage < 3 else 1)
+        if stage < 3:
+            assert "lp_params" in refusals[1]
