@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from pydantic import Field
+from pydantic import AliasChoices, Field
 
 from shardspeed.config.base import DeepSpeedConfigModel
 
@@ -20,8 +20,10 @@ class AioConfig(DeepSpeedConfigModel):
     """I/O block size in bytes."""
     queue_depth: int = Field(default=8, gt=0)
     """Outstanding requests per thread."""
-    intra_op_parallelism: int = Field(default=1, gt=0)
-    """I/O threads per operation."""
+    intra_op_parallelism: int = Field(
+        default=1, gt=0, validation_alias=AliasChoices("intra_op_parallelism", "thread_count")
+    )
+    """I/O threads per operation (DeepSpeed's earlier name for it: ``thread_count``)."""
     single_submit: bool = False
     """Submit requests one at a time instead of in batches."""
     overlap_events: bool = True

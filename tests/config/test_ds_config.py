@@ -223,3 +223,14 @@ def test_config_layer_imports_nothing_above_layer_0() -> None:
                 assert node.module.startswith(("shardspeed.config", "shardspeed.utils.logging")), (
                     f"{source.name} imports {node.module}"
                 )
+
+
+def test_aio_thread_count_is_intra_op_parallelism():
+    """DeepSpeed's documented ``aio.thread_count`` (the older name) sets the I/O threads."""
+    from shardspeed.config import DeepSpeedConfig
+
+    base = {"train_micro_batch_size_per_gpu": 1}
+    assert DeepSpeedConfig({**base, "aio": {"thread_count": 3}}).aio.intra_op_parallelism == 3
+    assert (
+        DeepSpeedConfig({**base, "aio": {"intra_op_parallelism": 2}}).aio.intra_op_parallelism == 2
+    )
