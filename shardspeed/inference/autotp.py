@@ -98,7 +98,11 @@ def apply_plan(
         weight = loader.param(weight_of(module), Slice(0, ((start, stop),)))
         if name == plan.head_name:
             _replace(
-                model, name, VocabParallelHead(_linear(weight, _bias(loader, module, None)), tp)
+                model,
+                name,
+                VocabParallelHead(
+                    _linear(weight, _bias(loader, module, None)), tp, plan.head_sizes
+                ),
             )
         else:
             table = nn.Embedding(stop - start, weight.shape[1], device="meta")

@@ -70,17 +70,26 @@ class VocabParallelEmbedding(nn.Module):
 class VocabParallelHead(nn.Module):
     """The output head with this rank's vocabulary rows; logits are all-gathered to full width."""
 
-    def __init__(self, linear: nn.Module, tp: TPGroup) -> None:
+    def __init__(self, linear: nn.Module, tp: TPGroup, sizes: tuple[int, ...] = ()) -> None:
         super().__init__()
         self.linear = linear
         self.tp = tp
+        self.sizes = sizes  # rows per rank; uneven splits are padded for the all-gather
 
     @property
     def weight(self) -> torch.Tensor:
         return _tensor(self.linear.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.gather_last_dim(self.linear(x))
+        local: torch.Tensor = self.linear(x)
+        if len(set(self.sizes)) <= 1:
+            return self.tp.gather_last_dim(local)
+        widest = max(self.sizes)
+        padded = torch.nn.functional.pad(local, (0, widest - local.shape[-1]))
+        parts = self.tp.gather_last_dim(padded).split(widest, dim=-1)
+        return torch.cat(
+            [part[..., :size] for part, size in zip(parts, self.sizes, strict=True)], -1
+        )
 
     def extra_repr(self) -> str:
         return f"tp_size={self.tp.size}"

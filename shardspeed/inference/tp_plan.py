@@ -75,6 +75,8 @@ class ShardPlan:
     """``{embedding or head module name: (first row, stop row)}`` of this rank."""
     head_name: str | None = None
     """The output head's module name (its vocabulary split all-gathers logits)."""
+    head_sizes: tuple[int, ...] = ()
+    """Vocabulary rows of the head on each rank, in rank order."""
     attrs: list[tuple[str, str, int]] = field(default_factory=list)
     """``(module name, attribute, value)`` to set once the weights are split."""
 
@@ -221,13 +223,16 @@ def _plan_vocab(plan: ShardPlan, model: nn.Module, tp_size: int, rank: int) -> N
     embed = get_in() if callable(get_in) else None
     head = get_out() if callable(get_out) else None
     names = {id(m): n for n, m in model.named_modules()}
-    if isinstance(embed, nn.Embedding) and embed.num_embeddings % tp_size == 0:
-        rows = embed.num_embeddings // tp_size
-        plan.vocab[names[id(embed)]] = (rank * rows, (rank + 1) * rows)
-    if isinstance(head, nn.Linear) and head.out_features % tp_size == 0:
-        rows = head.out_features // tp_size
-        plan.vocab[names[id(head)]] = (rank * rows, (rank + 1) * rows)
+    # uneven vocabularies (GPT-2's 50257) split too: the first ranks get one row more
+    if isinstance(embed, nn.Embedding):
+        plan.vocab[names[id(embed)]] = split_range(embed.num_embeddings, tp_size, rank)
+    if isinstance(head, nn.Linear):
+        plan.vocab[names[id(head)]] = split_range(head.out_features, tp_size, rank)
         plan.head_name = names[id(head)]
+        plan.head_sizes = tuple(
+            stop - start
+            for start, stop in (split_range(head.out_features, tp_size, r) for r in range(tp_size))
+        )
 
 
 def _rule(kind: Literal["column", "row"], piece: Slice, module: nn.Module) -> LinearRule:

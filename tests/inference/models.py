@@ -44,6 +44,12 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         },
     ),
     "opt": ("OPTConfig", "OPTForCausalLM", {"num_attention_heads": 4, "ffn_dim": 128}),
+    # a vocabulary no tp size divides (as GPT-2's 50257): split unevenly
+    "gpt2-odd-vocab": (
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        {"n_head": 4, "n_positions": 128, "vocab_size": 251},
+    ),
 }
 
 
@@ -55,7 +61,7 @@ def config(family: str, **overrides: Any) -> Any:
         "eos_token_id": None,
         "pad_token_id": 0,
     }
-    if family == "gpt2":
+    if family.startswith("gpt2"):
         common |= {"n_embd": 64, "n_layer": 2, "initializer_range": 0.1}
     else:
         common |= {
@@ -78,7 +84,7 @@ def build(family: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:
 
 def prompt(batch: int = 2, length: int = 7, seed: int = 1) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
-    return torch.randint(1, VOCAB, (batch, length), generator=generator)
+    return torch.randint(1, 250, (batch, length), generator=generator)  # in every vocabulary
 
 
 def weight_bytes(module: torch.nn.Module) -> int:

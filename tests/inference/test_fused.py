@@ -80,7 +80,8 @@ def test_eos_min_new_tokens_and_fallbacks(caplog):
 
 
 def test_fused_under_tensor_parallel(dist_pool):
-    for equal in dist_pool(2).run(ranks.fused_tp_tokens, FAMILIES):
+    # gpt2-odd-vocab: 251 vocabulary rows split 126/125, the logits gathered unevenly
+    for equal in dist_pool(2).run(ranks.fused_tp_tokens, [*FAMILIES, "gpt2-odd-vocab"]):
         assert all(equal.values()), equal
 
 
