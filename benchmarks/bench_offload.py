@@ -90,7 +90,8 @@ def _rank_main(
         engine.step()
         times.append(time.perf_counter() - began)
         losses.append(loss.item())
-    on_disk = sum(f.stat().st_size for f in Path(folder).rglob("*") if f.is_file())
+    mine = Path(folder) / f"swap_rank{rank}"  # this rank's files only (the folder is shared)
+    on_disk = sum(f.stat().st_size for f in mine.rglob("*") if f.is_file())
     queue.put(
         {
             "rank": rank,

@@ -31,6 +31,7 @@ the strategy's :class:`~shardspeed.runtime.zero.records.ParamRegistry`; debuggin
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -52,6 +53,7 @@ from shardspeed.runtime.zero.reduce_options import GradReduceOptions
 from shardspeed.runtime.zero.shard_group import GroupOptions, ParamFragment, ShardGroup
 from shardspeed.runtime.zero.state_swap import SwapStore
 from shardspeed.runtime.zero.sub_group_step import SubGroupStepper
+from shardspeed.utils.logging import log_dist
 
 __all__ = [
     "GradReduceOptions",
@@ -108,6 +110,13 @@ class ZeroStrategy:
         self.offload = OptimizerOffload.from_config(ctx.zero_config)
         self.param_offload = ParamOffload.from_config(ctx.zero_config)
         self.placement = self.offload.placement(ctx.device)
+        if (self.offload.pin_memory or self.param_offload.pin_memory) and ctx.device.type == "cpu":
+            log_dist(
+                "zero_optimization offload pin_memory: this run computes on the CPU, which has "
+                "no pinned (page-locked) memory to give; using ordinary memory",
+                [0],
+                level=logging.WARNING,
+            )
         self._swap_store: SwapStore | None = None
         #: engine.offload_states / reload_states
         self.state_offloader = StateOffloader(self)

@@ -45,12 +45,14 @@ def test_client_optimizer_needs_a_cpu_kind(dist_pool):
 
 
 @pytest.mark.parametrize(
-    ("stage", "ratio", "sub_group"),
-    [(1, 1.0, 0), (2, 1.0, 0), (3, 1.0, 3000), (3, 0.5, 3000)],
-    ids=["stage1", "stage2", "stage3-subgroups", "stage3-half"],
+    ("world", "stage", "ratio", "sub_group"),
+    [(2, 1, 1.0, 0), (1, 2, 1.0, 0), (2, 2, 1.0, 0), (2, 3, 1.0, 3000), (2, 3, 0.5, 3000)],
+    ids=["stage1", "stage2-w1", "stage2", "stage3-subgroups", "stage3-half"],
 )
-def test_nvme_offload_matches_and_frees_the_state(dist_pool, tmp_path, stage, ratio, sub_group):
-    results = dist_pool(2).run(
+def test_nvme_offload_matches_and_frees_the_state(
+    dist_pool, tmp_path, world, stage, ratio, sub_group
+):
+    results = dist_pool(world).run(
         offload_ranks.nvme_trains_like_no_offload, stage, str(tmp_path), ratio, sub_group
     )
     for result in results:
