@@ -238,8 +238,9 @@ _HOST_GROUPS: dict[int, Any] = {}
 
 def host_group(group: Any = None) -> Any:
     """A group of ``group``'s members whose collectives run on host tensors: ``group`` itself
-    when its backend is gloo, otherwise a gloo group over the same ranks, made once (only the
-    members take part). Small control messages (ranks agreeing on what runs next) go through
+    when its backend is gloo, otherwise a gloo group over the same ranks, made once. Every rank
+    of the world must call it at the same point (each with its own group), as torch requires
+    for making groups. Small control messages (ranks agreeing on what runs next) go through
     it, so checking them never waits for the device's stream."""
     _require_initialized("host_group")
     if dist.get_backend(group) == dist.Backend.GLOO:
@@ -251,8 +252,18 @@ def host_group(group: Any = None) -> Any:
 
 
 def new_host_group(ranks: list[int]) -> Any:
-    """A gloo group of global ``ranks``, made by its members alone."""
-    return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+    """A gloo group of global ``ranks`` (this rank's group). Every rank of the world calls it
+    at the same point, each with the ranks of its own group: the ranks exchange their lists
+    and every rank makes every distinct group in the same order (torch's rule for new_group),
+    returning the one it belongs to."""
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, sorted(ranks))
+    mine = None
+    for members in sorted({tuple(r) for r in everyone}):
+        made = dist.new_group(ranks=list(members), backend="gloo")
+        if dist.get_rank() in members:
+            mine = made
+    return mine
 
 
 def _require_initialized(what: str) -> None:

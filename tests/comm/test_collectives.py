@@ -274,18 +274,18 @@ def test_collectives_on_four_ranks(dist_pool):
 def _check_host_groups() -> list[int]:
     world = comm.get_world_group()
     assert comm.host_group(world) is world  # already gloo: the group itself
-    # the path a NCCL group takes: a gloo group of the same members, made by them alone
-    members = [0, 1]
-    group = comm.new_host_group(members) if comm.get_rank() in members else None
+    # the path a NCCL group takes: each rank names its own group ({0, 1} or {2, 3}); every
+    # rank makes both gloo groups and gets its own
+    rank = comm.get_rank()
+    mine = [0, 1] if rank < 2 else [2, 3]
+    group = comm.new_host_group(mine)
     gathered = torch.empty(2, dtype=torch.int64)
-    if group is not None:
-        mine = torch.tensor([comm.get_rank() * 10], dtype=torch.int64)
-        comm.all_gather_into_tensor(gathered, mine, group=group)
+    comm.all_gather_into_tensor(gathered, torch.tensor([rank * 10]), group=group)
     comm.barrier()
-    return gathered.tolist() if group is not None else []
+    return gathered.tolist()
 
 
 def test_host_groups(dist_pool):
-    """host_group() hands a gloo group back as is; new_host_group() makes a gloo group of a
-    subset of the ranks without the others taking part."""
-    assert dist_pool(4).run(_check_host_groups) == [[0, 10], [0, 10], [], []]
+    """host_group() hands a gloo group back as is; new_host_group() makes one gloo group per
+    distinct member list the ranks name, every rank taking part (torch's rule)."""
+    assert dist_pool(4).run(_check_host_groups) == [[0, 10], [0, 10], [20, 30], [20, 30]]

@@ -32,6 +32,29 @@ def test_cpu_offload_matches_single_process(dist_pool, world, stage):
     assert sum(losses[0][-3:]) < sum(losses[0][:3])
 
 
+@pytest.mark.parametrize("world", [1, 2], ids=["w1", "w2"])
+def test_stage3_cpu_offload_of_parameters_and_optimizer(dist_pool, world):
+    """Stage 3 with offload_param and offload_optimizer on the host matches one process (on
+    this CPU-only machine the host is the device: this checks the configuration path and that
+    nothing is copied or lost, not a transfer)."""
+    zero = {
+        "offload_param": {"device": "cpu"},
+        "offload_optimizer": {"device": "cpu"},
+        "stage3_param_persistence_threshold": 0,
+    }
+    losses = dist_pool(world).run(
+        run_parity,
+        "gpt",
+        2,
+        1.0,
+        STEPS,
+        stage=3,
+        atol=1e-5,
+        config_extra={"zero_optimization": zero},
+    )
+    assert sum(losses[0][-3:]) < sum(losses[0][:3])
+
+
 def test_offload_builds_the_cpu_optimizer(dist_pool, tmp_path):
     kinds = dist_pool(2).run(offload_ranks.optimizer_kind, 2, "nvme", str(tmp_path))
     assert kinds == ["DeepSpeedCPUAdam", "DeepSpeedCPUAdam"]
