@@ -460,3 +460,51 @@ def tuple_messages() -> None:
     else:
         raise AssertionError("coalesce_grad_reduction() must refuse under pipeline parallelism")
     engine.destroy()
+
+
+def _counting(calls: dict[str, int]) -> Any:
+    """A forward hook counting calls by module class into ``calls``."""
+
+    def hook(module: torch.nn.Module, *_: Any) -> None:
+        calls[type(module).__name__] = calls.get(type(module).__name__, 0) + 1
+
+    return hook
+
+
+def checkpointable_layers_and_compile() -> dict[str, int]:
+    """``checkpointable_layers`` picks which layers activation checkpointing recomputes (by
+    class name), and ``compile()`` compiles each layer of the stage; both train in parity."""
+    counts: dict[str, int] = {}
+    for kinds in (["Block"], ["LayerNorm"]):
+        reference = Reference()
+        module = pipeline_from(
+            copy.deepcopy(reference),
+            2,
+            activation_checkpoint_interval=1,
+            checkpointable_layers=kinds,
+        )
+        calls: dict[str, int] = {}
+        for layer in module.layer_modules().values():
+            layer.register_forward_hook(_counting(calls))
+        engine, *_ = shardspeed.initialize(model=module, config=config(2, 2, 0.1))
+        batches = Batches(synthetic_tokens(2 * 2 * 2, TINY, seed=1), 2, 2, 1, 0)
+        optimizer = torch.optim.AdamW(reference.parameters(), **OPT_PARAMS)
+        _train_steps(engine, reference, optimizer, batches, range(2), 0.1)
+        for name, count in calls.items():
+            counts[f"{kinds[0]}:{name}"] = count
+        engine.destroy()
+    reference = Reference()
+    module = pipeline_from(copy.deepcopy(reference), 2)
+    module.compile(backend="eager")
+    engine, *_ = shardspeed.initialize(model=module, config=config(2, 2, 0.1))
+    batches = Batches(synthetic_tokens(2 * 2 * 2, TINY, seed=1), 2, 2, 1, 0)
+    optimizer = torch.optim.AdamW(reference.parameters(), **OPT_PARAMS)
+    _train_steps(engine, reference, optimizer, batches, range(2), 0.1)
+    counts["compiled"] = int(
+        all(
+            getattr(m, "_compiled_call_impl", None) is not None
+            for m in module.layer_modules().values()
+        )
+    )
+    engine.destroy()
+    return counts

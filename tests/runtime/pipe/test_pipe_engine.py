@@ -45,3 +45,16 @@ def test_module_builds_only_its_stage(dist_pool):
 
 def test_tuple_messages_and_batch_fn(dist_pool):
     dist_pool(2).run(ranks.tuple_messages)
+
+
+def test_checkpointable_layers_and_compile(dist_pool):
+    """2 steps x 2 micro-batches: a checkpointed layer runs its forward twice per micro-batch
+    (forward and recompute), the others once; compile() keeps parity."""
+    for counts in dist_pool(2).run(ranks.checkpointable_layers_and_compile):
+        blocks = [v for k, v in counts.items() if k.endswith(":Block")]
+        if blocks:  # this stage holds blocks
+            assert counts.get("Block:Block") == 2 * counts["LayerNorm:Block"]
+        norms = [k for k in counts if k.endswith(":LayerNorm")]
+        if norms:
+            assert counts["LayerNorm:LayerNorm"] == 2 * counts["Block:LayerNorm"]
+        assert counts["compiled"] == 1
