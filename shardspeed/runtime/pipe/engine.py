@@ -407,7 +407,10 @@ class PipelineEngine(DeepSpeedEngine):
 
     def _exec_send_activations(self, cmd: schedule.SendActivation) -> None:
         outputs = self.pipe_buffers["outputs"][cmd.buffer_id]
-        self.channel.send_activations(outputs, self._next_rank, self._training)
+        sent, error = self.channel.send_activations(outputs, self._next_rank, self._training)
+        if error is not None:  # zeros went instead: finish the batch, then stop everywhere
+            self._error = self._error or error
+            self.pipe_buffers["outputs"][cmd.buffer_id] = sent
         self.first_output_send = False
         if not self._training:
             self.pipe_buffers["outputs"][cmd.buffer_id] = None

@@ -99,6 +99,17 @@ class MessageMeta:
     def grad_metas(self) -> list[TensorMeta]:
         return [m for m in self.tensors if m.requires_grad]
 
+    def placeholder(self, device: torch.device, training: bool) -> Any:
+        """Zeros of this description (leaves that require grad where it says so): what a stage
+        sends in place of a message it cannot send, so its neighbour does not wait forever."""
+        tensors = tuple(
+            torch.zeros(m.shape, dtype=m.dtype, device=device).requires_grad_(
+                m.requires_grad and training
+            )
+            for m in self.tensors
+        )
+        return tensors if self.is_tuple else tensors[0]
+
 
 class ActivationShapeError(RuntimeError):
     """A stage's output changed shape or dtype while shapes are cached."""
@@ -177,24 +188,32 @@ class P2PChannel:
         self._received.clear()
 
     # -- activations -------------------------------------------------------------------------
-    def send_activations(self, message: Any, dst: int, training: bool) -> None:
+    def send_activations(self, message: Any, dst: int, training: bool) -> tuple[Any, str | None]:
+        """Send ``message`` to ``dst``; returns what was sent and None, or, when the message
+        no longer matches the cached description, zeros of the cached one and the error (the
+        neighbour receives what it expects and the batch ends with the error on every rank,
+        instead of the neighbour waiting forever)."""
         meta = MessageMeta.of(message)
         key = (dst, training)
         cached = self._sent.get(key)
+        error = None
         if cached is None or self.dynamic_shape or self.describe_always:
             encoded = torch.tensor(meta.encode(), dtype=torch.int64, device=self.device)
             self._send(torch.tensor([encoded.numel()], device=self.device), dst)
             self._send(encoded, dst)
             self._sent[key] = meta
         elif cached != meta:
-            raise ActivationShapeError(
-                f"this stage's output changed from {cached} to {meta}, but the activation "
-                "shapes are cached; build the PipelineModule with dynamic_shape=True, or call "
+            error = (
+                f"{ActivationShapeError.__name__}: this stage's output changed from {cached} to "
+                f"{meta} while its input did not, but the activation shapes are cached; build "
+                "the PipelineModule with dynamic_shape=True, or call "
                 "engine.reset_activation_shape() on every rank before the change"
             )
+            message = cached.placeholder(self.device, training)
         tensors = message if isinstance(message, tuple) else (message,)
         for tensor in tensors:
-            self._send(tensor, dst)
+            self._send(tensor.detach() if error else tensor, dst)
+        return message, error
 
     def recv_activations(self, src: int, training: bool) -> tuple[Any, MessageMeta]:
         """The message from ``src`` (tensors that required grad there require grad here, as

@@ -508,3 +508,47 @@ def checkpointable_layers_and_compile() -> dict[str, int]:
     )
     engine.destroy()
     return counts
+
+
+class _Widens(torch.nn.Module):
+    """Appends ``extra`` columns of ones: set ``extra`` to change the output's shape while the
+    input's stays."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = 0
+        self.scale = torch.nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x * self.scale, x.new_ones(x.shape[0], self.extra)], dim=1)
+
+
+class _RowMean(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean(dim=1, keepdim=True)
+
+
+def output_shape_change_stops_every_rank() -> str:
+    """Without dynamic_shape, a stage whose output changes shape while its input does not
+    ends the batch with an error on every rank (zeros go in its place), never a hang."""
+    from shardspeed.pipe import PipelineModule
+    from shardspeed.runtime.pipe.module import PipelineError
+
+    torch.manual_seed(0)
+    widen = _Widens()
+    layers = [torch.nn.Linear(4, 4), widen, _RowMean(), torch.nn.Linear(1, 1)]
+    module = PipelineModule(
+        layers, num_stages=2, loss_fn=torch.nn.functional.mse_loss, partition_method="uniform"
+    )
+    engine, *_ = shardspeed.initialize(model=module, config=config(2, 2, 0.0))
+    data = [(torch.randn(2, 4), torch.randn(2, 1)) for _ in range(4)]
+    engine.train_batch(iter(data[:2]))
+    widen.extra = 1  # only the stage holding it sees this
+    try:
+        engine.train_batch(iter(data[2:]))
+    except PipelineError as error:
+        message = str(error)
+    else:
+        message = ""
+    engine.destroy()
+    return message

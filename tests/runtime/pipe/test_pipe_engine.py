@@ -58,3 +58,8 @@ def test_checkpointable_layers_and_compile(dist_pool):
         if norms:
             assert counts["LayerNorm:LayerNorm"] == 2 * counts["Block:LayerNorm"]
         assert counts["compiled"] == 1
+
+
+def test_output_shape_change_without_dynamic_shape_stops_every_rank(dist_pool):
+    for message in dist_pool(2).run(ranks.output_shape_change_stops_every_rank):
+        assert "ActivationShapeError" in message and "dynamic_shape=True" in message, message
