@@ -83,7 +83,7 @@ def nvme_trains_like_no_offload(
     ``params`` of stage 3's parameter shards): equal losses and parameters every step; between
     steps what is offloaded holds no memory and lives in files of the expected size."""
     torch.manual_seed(0)
-    task = make_task("gpt", rows=6 * 2 * gas * dist.get_world_size())
+    task = make_task("gpt", rows=10 * 2 * gas * dist.get_world_size())
     base = task.build()
     zero: dict[str, Any] = {"stage3_param_persistence_threshold": 0}
     if sub_group:
@@ -97,7 +97,7 @@ def nvme_trains_like_no_offload(
     offloaded = _engine(copy.deepcopy(base), stage, gas=gas, zero={**zero, **offload})
     x, y = task.data
     state_total = 0
-    for step in range(6):
+    for step in range(10):
         for micro_step in range(gas):
             rows = rank_rows(step, micro_step, 2, gas)
             losses = []
