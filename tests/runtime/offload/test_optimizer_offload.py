@@ -69,8 +69,15 @@ def test_client_optimizer_needs_a_cpu_kind(dist_pool):
 
 @pytest.mark.parametrize(
     ("world", "stage", "ratio", "sub_group"),
-    [(2, 1, 1.0, 0), (1, 2, 1.0, 0), (2, 2, 1.0, 0), (2, 3, 1.0, 3000), (2, 3, 0.5, 3000)],
-    ids=["stage1", "stage2-w1", "stage2", "stage3-subgroups", "stage3-half"],
+    [
+        (2, 1, 1.0, 0),
+        (1, 2, 1.0, 0),
+        (2, 2, 1.0, 0),
+        (2, 3, 1.0, 3000),
+        (1, 3, 0.5, 3000),
+        (2, 3, 0.5, 3000),
+    ],
+    ids=["stage1", "stage2-w1", "stage2", "stage3-subgroups", "stage3-half-w1", "stage3-half"],
 )
 def test_nvme_offload_matches_and_frees_the_state(
     dist_pool, tmp_path, world, stage, ratio, sub_group
