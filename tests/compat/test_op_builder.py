@@ -14,7 +14,15 @@ from shardspeed.ops import __compatible_ops__, op_builder
 from shardspeed.ops.adam import DeepSpeedCPUAdam
 from shardspeed.ops.op_builder import ALL_OPS, CPUAdamBuilder, OpNotImplementedError
 
-PURE_PYTHON = {"cpu_adam", "fused_adam", "cpu_adagrad", "fused_lamb", "cpu_lion", "fused_lion"}
+PURE_PYTHON = {
+    "cpu_adam",
+    "fused_adam",
+    "cpu_adagrad",
+    "fused_lamb",
+    "cpu_lion",
+    "fused_lion",
+    "async_io",
+}
 
 
 def test_implemented_ops_load_their_module() -> None:

@@ -1,7 +1,8 @@
 """The ``*Builder`` classes under DeepSpeed's names, one per op.
 
-The first group is implemented in pure Python (``load()`` returns the module); the rest are
-DeepSpeed native extensions shardspeed does not have (``is_compatible()`` is False).
+The optimizers and ``AsyncIOBuilder`` are implemented in pure Python (``load()`` returns the
+module); the rest are DeepSpeed native extensions shardspeed does not have (``is_compatible()``
+is False).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class FusedLionBuilder(OpBuilder):
 
 class AsyncIOBuilder(OpBuilder):
     NAME = "async_io"
+    IMPLEMENTATION = "shardspeed.ops.aio"
 
 
 class EvoformerAttnBuilder(OpBuilder):
