@@ -40,6 +40,7 @@ _LAZY: dict[str, str] = {
     "profiling": "shardspeed.profiling",
     "inference": "shardspeed.inference",
     "launcher": "shardspeed.launcher",
+    "moe": "shardspeed.moe",
 }
 
 __all__ = ["__version__", "__git_hash__", "__git_branch__", "log_dist", "logger", *_LAZY]

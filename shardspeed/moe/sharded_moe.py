@@ -1,0 +1,229 @@
+"""DeepSpeed's ``deepspeed.moe.sharded_moe``: the gating functions, ``TopKGate`` and ``MOELayer``.
+
+The gating functions keep DeepSpeed's signatures and return its dense
+``(l_aux, combine_weights, dispatch_mask, exp_counts)``; ``MOELayer`` itself routes through the
+index-based ``Routing`` (see ``gating.py`` and ``dispatch.py``) and never builds the dense tensors.
+Only ``ep_size=1`` (all experts local) is built so far.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from shardspeed import comm
+from shardspeed.moe.dispatch import combine, dispatch
+from shardspeed.moe.gating import route_top1, route_top2, route_topk
+from shardspeed.moe.noise import gumbel_rsample, multiplicative_jitter
+from shardspeed.moe.routing import Routing
+
+__all__ = [
+    "MOELayer",
+    "TopKGate",
+    "gumbel_rsample",
+    "multiplicative_jitter",
+    "top1gating",
+    "top2gating",
+    "topkgating",
+]
+
+EXPERT_PARALLEL_NOT_BUILT = (
+    "expert parallelism (ep_size > 1) is not built yet in shardspeed; use ep_size=1 "
+    "(all experts on every rank)"
+)
+TUTEL_REFUSED = "use_tutel=True is not supported by shardspeed (Tutel kernels are not used); pass use_tutel=False"
+
+
+def top1gating(
+    logits: Tensor,
+    capacity_factor: float,
+    min_capacity: int,
+    used_token: Tensor | None = None,
+    noisy_gate_policy: str | None = None,
+    drop_tokens: bool = True,
+    use_rts: bool = True,
+    ep_group: comm.ProcessGroup | None = None,
+    use_tutel: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Top-1 gating on ``[tokens, experts]`` logits -> ``(l_aux, combine, dispatch, exp_counts)``."""
+    if use_tutel:
+        raise NotImplementedError(TUTEL_REFUSED)
+    routing = route_top1(
+        logits,
+        capacity_factor,
+        min_capacity,
+        used_token,
+        noisy_gate_policy,
+        drop_tokens,
+        use_rts,
+        ep_group,
+    )
+    return routing.as_deepspeed_tuple()
+
+
+def top2gating(
+    logits: Tensor,
+    capacity_factor: float,
+    min_capacity: int,
+    drop_tokens: bool = True,
+    ep_group: comm.ProcessGroup | None = None,
+    top2_2nd_expert_sampling: bool = True,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Top-2 gating on ``[tokens, experts]`` logits -> ``(l_aux, combine, dispatch, exp_counts)``."""
+    routing = route_top2(
+        logits, capacity_factor, min_capacity, drop_tokens, ep_group, top2_2nd_expert_sampling
+    )
+    return routing.as_deepspeed_tuple()
+
+
+def topkgating(
+    logits: Tensor,
+    k: int,
+    capacity_factor: float,
+    min_capacity: int,
+    drop_tokens: bool = True,
+    ep_group: comm.ProcessGroup | None = None,
+    drop_policy: str = "probs",
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Top-k gating on ``[tokens, experts]`` logits -> ``(l_aux, combine, dispatch, exp_counts)``."""
+    routing = route_topk(
+        logits, k, capacity_factor, min_capacity, drop_tokens, ep_group, drop_policy
+    )
+    return routing.as_deepspeed_tuple()
+
+
+class TopKGate(nn.Module):
+    """The router: a bias-free ``wg`` Linear to expert logits, then top-1/top-2/top-k gating.
+
+    Gating runs in fp32. ``capacity_factor`` applies in training, ``eval_capacity_factor`` in
+    eval; the noisy policies (``Jitter`` on the input, ``RSample`` on the top-1 choice) only in
+    training.
+    """
+
+    wg: nn.Linear
+
+    def __init__(
+        self,
+        model_dim: int,
+        num_experts: int,
+        k: int = 1,
+        capacity_factor: float = 1.0,
+        eval_capacity_factor: float = 1.0,
+        min_capacity: int = 8,
+        noisy_gate_policy: str | None = None,
+        drop_tokens: bool = True,
+        use_rts: bool = True,
+        ep_group: comm.ProcessGroup | None = None,
+        top2_2nd_expert_sampling: bool = True,
+    ) -> None:
+        super().__init__()
+        if k < 1 or k > num_experts:
+            raise ValueError(f"k={k} must be between 1 and num_experts={num_experts}")
+        self.wg = nn.Linear(model_dim, num_experts, bias=False)
+        self.ep_group = ep_group
+        self.k = k
+        self.capacity_factor = capacity_factor
+        self.eval_capacity_factor = eval_capacity_factor
+        self.min_capacity = min_capacity
+        self.noisy_gate_policy = noisy_gate_policy
+        self.drop_tokens = drop_tokens
+        self.use_rts = use_rts
+        self.top2_2nd_expert_sampling = top2_2nd_expert_sampling
+        self.wall_clock_breakdown = False
+        self.gate_time = 0.0
+
+    def _set_ep_group(self, ep_group: comm.ProcessGroup) -> None:
+        if self.ep_group is not None:
+            raise RuntimeError("this gate already has an expert-parallel group")
+        self.ep_group = ep_group
+
+    def route(self, input: Tensor, used_token: Tensor | None = None) -> Routing:
+        """Index-based routing of ``[tokens, model_dim]`` input."""
+        x = input.float()
+        if self.noisy_gate_policy == "Jitter" and self.training:
+            x = multiplicative_jitter(x, device=input.device)
+        logits = nn.functional.linear(x, weight=self.wg.weight.float(), bias=None)
+        factor = self.capacity_factor if self.training else self.eval_capacity_factor
+        if self.k == 1:
+            policy = self.noisy_gate_policy if self.training else None
+            return route_top1(
+                logits,
+                factor,
+                self.min_capacity,
+                used_token,
+                policy,
+                self.drop_tokens,
+                self.use_rts,
+                self.ep_group,
+            )
+        if self.k == 2:
+            return route_top2(
+                logits,
+                factor,
+                self.min_capacity,
+                self.drop_tokens,
+                self.ep_group,
+                self.top2_2nd_expert_sampling,
+            )
+        return route_topk(
+            logits, self.k, factor, self.min_capacity, self.drop_tokens, self.ep_group
+        )
+
+    def forward(
+        self, input: Tensor, used_token: Tensor | None = None, use_tutel: bool = False
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """DeepSpeed's gate output ``(l_aux, combine_weights, dispatch_mask, exp_counts)``."""
+        if use_tutel:
+            raise NotImplementedError(TUTEL_REFUSED)
+        return self.route(input, used_token).as_deepspeed_tuple()
+
+
+class MOELayer(nn.Module):
+    """Gate, dispatch tokens to expert buffers, run the experts, combine weighted outputs.
+
+    After ``forward``, ``l_aux`` and ``exp_counts`` hold the gate's loss and expert loads.
+    """
+
+    def __init__(
+        self,
+        gate: TopKGate,
+        experts: nn.Module,
+        ep_group_name: str | None,
+        ep_size: int,
+        num_local_experts: int,
+        use_tutel: bool = False,
+    ) -> None:
+        super().__init__()
+        if use_tutel:
+            raise NotImplementedError(TUTEL_REFUSED)
+        if ep_size != 1:
+            raise NotImplementedError(f"{EXPERT_PARALLEL_NOT_BUILT} (got ep_size={ep_size})")
+        self.gate = gate
+        self.experts = experts
+        self.ep_group: comm.ProcessGroup | None = None
+        self.ep_size = ep_size
+        self.ep_group_name = ep_group_name
+        self.num_local_experts = num_local_experts
+        self.use_tutel = False
+        self.wall_clock_breakdown = False
+        self.l_aux: Tensor = torch.zeros(())
+        self.exp_counts: Tensor = torch.zeros(0, dtype=torch.long)
+
+    def _set_ep_group(self, ep_group: comm.ProcessGroup) -> None:
+        self.ep_group = ep_group
+        self.gate._set_ep_group(ep_group)
+
+    def forward(self, *input: Tensor, **kwargs: Any) -> Tensor:
+        hidden = input[0]
+        used_token = input[1] if len(input) > 1 else None
+        model_dim = hidden.shape[-1]
+        tokens = hidden.reshape(-1, model_dim)
+        routing = self.gate.route(tokens, used_token)
+        self.l_aux, self.exp_counts = routing.l_aux, routing.exp_counts
+        buffers = dispatch(tokens, routing)
+        buffers = buffers.reshape(self.ep_size, self.num_local_experts, -1, model_dim)
+        expert_output = self.experts(buffers)
+        expert_output = expert_output.reshape(self.ep_size * self.num_local_experts, -1, model_dim)
+        return combine(expert_output, routing).reshape(hidden.shape)
