@@ -121,6 +121,13 @@ class FlatShard:
         collective's work handle (None if there is nothing to wait for)."""
         if self.gathered:
             return None
+        if self.store is not None and self.comm.partitioned:
+            # start reading the shard back (the swapper's threads) and gather when waited for:
+            # a prefetched unit's read overlaps the running module's compute
+            reads = self.store.start_fetch(self.key, self.shard)
+            self.full.untyped_storage().resize_(self._nbytes)
+            self.gathered = True
+            return _ReadThenGather(self, reads)
         self._shard_in()
         self.gathered = True
         if not self.comm.partitioned:  # the shard is the full buffer: swapped in, in use
@@ -200,3 +207,17 @@ def pack_flat_shards(params: Sequence[nn.Parameter], comm_group: CommGroup) -> l
             total += param.numel()
         flats.append(FlatShard(group, offsets, -(-total // world) * world, comm_group))
     return flats
+
+
+class _ReadThenGather:
+    """The work of gathering a swapped shard: its read is in flight; :meth:`wait` finishes it,
+    then all-gathers (every rank waits for its units in the same order)."""
+
+    def __init__(self, flat: FlatShard, reads: Sequence[Any]) -> None:
+        self.flat, self.reads = flat, reads
+
+    def wait(self) -> None:
+        for read in self.reads:
+            read.wait()
+        flat = self.flat
+        comm.all_gather_into_tensor(flat.full, flat._source(), group=flat.comm.group)

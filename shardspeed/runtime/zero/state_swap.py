@@ -85,8 +85,12 @@ class SwapStore:
 
     def fetch(self, key: str, tensor: torch.Tensor) -> None:
         """``tensor`` in memory (read back now if it is on disk)."""
+        self.wait(self.start_fetch(key, tensor))
+
+    def start_fetch(self, key: str, tensor: torch.Tensor) -> list[SwapHandle]:
+        """Start reading ``tensor`` back if it is on disk; wait for the handles before use."""
         self.finish_writes()
-        self.wait(self.start_reads([(key, tensor)]))
+        return self.start_reads([(key, tensor)])
 
     def evict(self, key: str, tensor: torch.Tensor) -> None:
         """``tensor`` out of memory: written first unless its file already holds it."""
