@@ -105,5 +105,27 @@ class HeadLayout:
         )
         return Slice(dim, q + k + v)
 
+    def interleaved_qkv_slice(self, dim: int) -> Slice:
+        """Rows of a fused projection stored head by head as ``[q_h | k_h | v_h]`` (Falcon with
+        ``multi_query=False``): this rank's query heads with their own keys and values."""
+        first, count, width = self.rank * self.local_q_heads, self.local_q_heads, 3 * self.head_dim
+        return Slice(dim, ((first * width, (first + count) * width),))
+
+    def grouped_qkv_slice(self, dim: int) -> Slice:
+        """Rows of a fused projection stored per key/value group as ``[q_1 .. q_g | k | v]``
+        (Falcon's ``new_decoder_architecture``): whole groups, or with fewer key/value heads
+        than ranks this rank's query heads of its group plus that group's key and value."""
+        group = self.q_heads // self.kv_heads
+        width = (group + 2) * self.head_dim
+        if self.kv_heads >= self.tp_size:
+            first = self.rank * self.local_kv_heads
+            return Slice(dim, ((first * width, (first + self.local_kv_heads) * width),))
+        ranks_per_kv = self.tp_size // self.kv_heads
+        base = (self.rank // ranks_per_kv) * width
+        q_first = base + (self.rank % ranks_per_kv) * self.local_q_heads * self.head_dim
+        q_stop = q_first + self.local_q_heads * self.head_dim
+        kv_first = base + group * self.head_dim
+        return Slice(dim, ((q_first, q_stop), (kv_first, kv_first + 2 * self.head_dim)))
+
     def _heads(self, first: int, count: int, dim: int) -> Slice:
         return Slice(dim, ((first * self.head_dim, (first + count) * self.head_dim),))

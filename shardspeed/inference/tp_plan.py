@@ -7,8 +7,9 @@ the attributes of attention modules that count heads, set to this rank's counts.
 
 Blocks are recognised by the names of their children, which cover the Hugging Face families
 (Llama, Mistral, Qwen2/3, OPT: ``q_proj``/``k_proj``/``v_proj`` + ``o_proj``/``out_proj``;
-GPT-2: a fused ``c_attn`` + ``c_proj``; MLPs ``gate_proj``/``up_proj`` + ``down_proj``,
-``c_fc`` + ``c_proj``, ``fc1`` + ``fc2``). A model with other names takes an
+GPT-2: a fused ``c_attn`` + ``c_proj``; Falcon: a fused ``query_key_value`` + ``dense`` in any of
+its three layouts; MLPs ``gate_proj``/``up_proj`` + ``down_proj``, ``c_fc`` + ``c_proj``,
+``fc1`` + ``fc2``, ``dense_h_to_4h`` + ``dense_4h_to_h``). A model with other names takes an
 ``injection_policy``: ``{block class: (names of its row-parallel linears)}``; every other linear
 in such a block is column-parallel.
 """
@@ -27,7 +28,13 @@ __all__ = ["LinearRule", "ShardPlan", "build_plan", "is_linear", "linear_shape",
 
 _ATTENTION = (("q_proj", "k_proj", "v_proj", "o_proj"), ("q_proj", "k_proj", "v_proj", "out_proj"))
 _FUSED_ATTENTION = ("c_attn", "c_proj")
-_MLP = ((("gate_proj", "up_proj"), "down_proj"), (("c_fc",), "c_proj"), (("fc1",), "fc2"))
+_FALCON_ATTENTION = ("query_key_value", "dense")
+_MLP = (
+    (("gate_proj", "up_proj"), "down_proj"),
+    (("c_fc",), "c_proj"),
+    (("fc1",), "fc2"),
+    (("dense_h_to_4h",), "dense_4h_to_h"),
+)
 # attributes of attention modules that hold head counts, and what each becomes on a rank
 _HEAD_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_key_value_groups")
 
@@ -94,8 +101,23 @@ def _heads(model: nn.Module, tp_size: int, rank: int) -> HeadLayout | None:
     if not q_heads:
         return None
     kv_heads = getattr(config, "num_key_value_heads", None) or q_heads
+    if hasattr(config, "new_decoder_architecture"):  # Falcon
+        kv_heads = _falcon_kv_heads(config, q_heads)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // q_heads
     return HeadLayout(q_heads, kv_heads, head_dim, tp_size, rank)
+
+
+def _falcon_kv_heads(config: Any, q_heads: int) -> int:
+    """Key/value heads of a Falcon config, refusing the variant AutoTP cannot split."""
+    if getattr(config, "alibi", False):
+        raise ValueError(
+            "AutoTP does not split Falcon with alibi=True (its position bias is built for all "
+            "heads at once, outside the attention modules); use a rotary Falcon (alibi=False) "
+            "or tensor_parallel.tp_size=1."
+        )
+    if config.new_decoder_architecture:
+        return int(config.num_kv_heads)
+    return 1 if config.multi_query else q_heads
 
 
 def build_plan(
@@ -160,6 +182,8 @@ def _plan_attention(
             plan.linears[_join(name, o)] = _rule("row", layout.q_slice(1), children[o])
             break
     else:
+        if _plan_falcon_attention(plan, name, module, children, layout):
+            return
         qkv, out = _FUSED_ATTENTION
         if not (qkv in children and out in children and hasattr(module, "split_size")):
             return
@@ -174,6 +198,36 @@ def _plan_attention(
         "num_key_value_groups": layout.local_q_heads // layout.local_kv_heads,
     }
     plan.attrs += [(name, attr, counts[attr]) for attr in _HEAD_ATTRS if hasattr(module, attr)]
+
+
+def _plan_falcon_attention(
+    plan: ShardPlan,
+    name: str,
+    module: nn.Module,
+    children: dict[str, nn.Module],
+    layout: HeadLayout,
+) -> bool:
+    """Falcon's fused ``query_key_value``: rows laid out per its variant (see its
+    ``_split_heads``); ``dense`` row-parallel. False when ``module`` is not Falcon attention."""
+    qkv, out = _FALCON_ATTENTION
+    if not (qkv in children and out in children and hasattr(module, "new_decoder_architecture")):
+        return False
+    if module.new_decoder_architecture:  # [q_1 .. q_g | k | v] per key/value group
+        piece = layout.grouped_qkv_slice(0)
+    elif module.multi_query:  # [all q | one k | one v]
+        piece = layout.fused_qkv_slice(0)
+    else:  # [q_h | k_h | v_h] head by head
+        piece = layout.interleaved_qkv_slice(0)
+    plan.linears[_join(name, qkv)] = _rule("column", piece, children[qkv])
+    plan.linears[_join(name, out)] = _rule("row", layout.q_slice(1), children[out])
+    local = layout.local_q_heads * layout.head_dim
+    plan.attrs += [
+        (name, "num_heads", layout.local_q_heads),
+        (name, "num_kv_heads", layout.local_kv_heads),
+        (name, "hidden_size", local),
+        (name, "split_size", local),
+    ]
+    return True
 
 
 def _plan_mlp(

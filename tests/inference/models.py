@@ -44,6 +44,19 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         },
     ),
     "opt": ("OPTConfig", "OPTForCausalLM", {"num_attention_heads": 4, "ffn_dim": 128}),
+    # Falcon's fused query_key_value in its three layouts: multi-query (the default),
+    # head by head (multi_query=False, with biases), per key/value group (new_decoder_architecture)
+    "falcon": ("FalconConfig", "FalconForCausalLM", {"num_attention_heads": 8}),
+    "falcon-mha": (
+        "FalconConfig",
+        "FalconForCausalLM",
+        {"num_attention_heads": 8, "multi_query": False, "bias": True},
+    ),
+    "falcon-gqa": (
+        "FalconConfig",
+        "FalconForCausalLM",
+        {"num_attention_heads": 8, "new_decoder_architecture": True, "num_kv_heads": 2},
+    ),
     # a vocabulary no tp size divides (as GPT-2's 50257): split unevenly
     "gpt2-odd-vocab": (
         "GPT2Config",

@@ -39,6 +39,22 @@ def tp_parity(families: list[str], **config: Any) -> dict[str, dict[str, Any]]:
     return results
 
 
+def check_tp_parity(
+    results: list[dict[str, dict[str, Any]]], families: list[str], slack: dict[str, float]
+) -> None:
+    """Assert :func:`tp_parity`'s figures from every rank: max logit error < 1e-5, identical
+    greedy tokens, mean weight bytes per rank under 1/world + the family's slack (0.06 unless
+    named: norms and anything split unevenly or replicated stay a little over 1/tp)."""
+    world = len(results)
+    for family in families:
+        per_rank = [rank_results[family] for rank_results in results]
+        for figures in per_rank:
+            assert figures["max_err"] < 1e-5, (family, figures)
+            assert figures["tokens_equal"], (family, figures)
+        mean_ratio = sum(f["bytes_ratio"] for f in per_rank) / world
+        assert mean_ratio < 1 / world + slack.get(family, 0.06), (family, per_rank)
+
+
 def load_from_safetensors(family: str, directory: str) -> dict[str, Any]:
     """Rank 0 saves the model as several safetensors shards; every rank builds it on the meta
     device and loads only its slices. Returns the max logit error vs the in-memory model."""
