@@ -55,7 +55,8 @@ def route_top1(
 
     ``RSample`` picks the expert from logits plus Gumbel noise. ``used_token`` (0/1 per token)
     removes tokens from routing. Over capacity, ``use_rts`` keeps a uniformly random subset of
-    each expert's tokens; without it the earliest tokens are kept.
+    each expert's tokens; without it the earliest tokens are kept (DeepSpeed leaves that
+    choice to ``torch.topk``'s unspecified order among ties; here it is deterministic).
     """
     gates = F.softmax(logits, dim=1)
     num_tokens, num_experts = gates.shape

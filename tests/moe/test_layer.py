@@ -8,6 +8,7 @@ from torch import nn
 
 import shardspeed
 from shardspeed.moe.layer import MoE
+from shardspeed.moe.routing import Routing
 
 HIDDEN, EXPERTS = 8, 4
 
@@ -63,6 +64,16 @@ def test_forward_backward_equals_dense_formulation(k: int, drop_tokens: bool) ->
         if param.grad is not None:
             torch.testing.assert_close(grads[name], param.grad, rtol=1e-5, atol=1e-6, msg=name)
     assert "deepspeed_moe.gate.wg.weight" in grads
+
+
+def test_layer_never_builds_dense_capacity_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(self: Routing) -> torch.Tensor:
+        raise AssertionError("MOELayer built the dense tokens x experts x capacity tensor")
+
+    monkeypatch.setattr(Routing, "combine_weights", refuse)
+    moe = _moe(2)
+    output, _, _ = moe(torch.randn(12, HIDDEN))
+    output.sum().backward()
 
 
 def test_state_dict_names_match_deepspeed() -> None:
