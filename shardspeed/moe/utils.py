@@ -37,6 +37,19 @@ def split_params_into_shared_and_expert_params(
     return shared, expert
 
 
+def split_params_grads_into_shared_and_expert_params(
+    group: list[nn.Parameter],
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``(shared grads, expert grads)`` of the parameters that have a gradient, each in its
+    parameter's dtype (for norms where expert gradients are counted once)."""
+    shared: list[torch.Tensor] = []
+    expert: list[torch.Tensor] = []
+    for p in group:
+        if p.grad is not None:
+            (expert if is_moe_param(p) else shared).append(p.grad.to(p.dtype))
+    return shared, expert
+
+
 def is_moe_param_group(param_group: ParamGroup) -> bool:
     return bool(param_group.get("moe", False))
 

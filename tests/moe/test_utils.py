@@ -12,6 +12,10 @@ from shardspeed.moe import (
     is_moe_param,
     split_params_into_different_moe_groups_for_optimizer,
 )
+from shardspeed.moe.utils import (
+    split_params_grads_into_shared_and_expert_params,
+    split_params_into_shared_and_expert_params,
+)
 
 HIDDEN, EXPERTS = 8, 4
 
@@ -72,3 +76,16 @@ def test_configure_leaves_existing_moe_groups_alone() -> None:
     model = TinyMoEModel()
     groups = configure_moe_param_groups([{"name": "all", "params": list(model.parameters())}])
     assert configure_moe_param_groups(groups) is groups
+
+
+def test_split_params_and_grads_into_shared_and_expert() -> None:
+    model = TinyMoEModel()
+    params = list(model.parameters())
+    shared, expert = split_params_into_shared_and_expert_params(params)
+    assert {id(p) for p in expert} == {id(p) for p in _expert_params(model)}
+    assert len(shared) + len(expert) == len(params)
+    model(torch.randn(16, HIDDEN)).backward()
+    shared_grads, expert_grads = split_params_grads_into_shared_and_expert_params(params)
+    with_grad = [p for p in params if p.grad is not None]
+    assert len(shared_grads) + len(expert_grads) == len(with_grad)
+    assert len(expert_grads) == len([p for p in with_grad if is_moe_param(p)]) > 0
