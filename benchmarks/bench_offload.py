@@ -30,9 +30,9 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_train import _batches, _peak_rss_mb, init_rank, spawn_ranks  # noqa: E402
+from bench_train import _batches, _peak_rss_mb, gpt_config, init_rank, spawn_ranks  # noqa: E402
 
-from examples.gpt_model import GPT, GPTConfig  # noqa: E402
+from examples.gpt_model import GPT  # noqa: E402
 
 
 def _config(args: argparse.Namespace, mode: str, folder: str) -> dict[str, Any]:
@@ -66,13 +66,7 @@ def _rank_main(
     folder = os.path.join(args.nvme, mode)
     os.makedirs(folder, exist_ok=True)
     config = _config(args, mode, folder)
-    cfg = GPTConfig(
-        vocab_size=args.vocab,
-        block_size=args.seq,
-        n_layer=args.n_layer,
-        n_head=args.n_head,
-        n_embd=args.n_embd,
-    )
+    cfg = gpt_config(args)
     torch.manual_seed(0)
     start = time.perf_counter()
     with shardspeed.zero.Init(config_dict_or_path=config):

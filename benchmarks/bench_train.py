@@ -38,14 +38,19 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def _build(args: argparse.Namespace) -> tuple[GPT, GPTConfig]:
-    cfg = GPTConfig(
+def gpt_config(args: argparse.Namespace) -> GPTConfig:
+    """The benchmark model's shape from the command line (--vocab, --seq, --n_layer, ...)."""
+    return GPTConfig(
         vocab_size=args.vocab,
         block_size=args.seq,
         n_layer=args.n_layer,
         n_head=args.n_head,
         n_embd=args.n_embd,
     )
+
+
+def _build(args: argparse.Namespace) -> tuple[GPT, GPTConfig]:
+    cfg = gpt_config(args)
     torch.manual_seed(0)
     return GPT(cfg), cfg
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Container, Iterator
 from contextlib import contextmanager
-from typing import Any
+from types import ModuleType
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -79,6 +80,10 @@ class _NoOptimizer:
 
 class DeepSpeedEngine(nn.Module):
     """Wraps a model for distributed training; returned by :func:`shardspeed.initialize`."""
+
+    #: the checkpoint format's module (``save`` / ``load``): DeepSpeed's directory layout here,
+    #: its per-layer pipeline layout for the PipelineEngine
+    checkpoint_format: ClassVar[ModuleType] = checkpointer
 
     global_steps = _counter("global_steps")
     global_samples = _counter("global_samples")
@@ -376,7 +381,7 @@ class DeepSpeedEngine(nn.Module):
         exclude_frozen_parameters: bool = False,
     ) -> bool:
         """Save model, optimizer, scheduler and counters under ``save_dir/tag``."""
-        return checkpointer.save(
+        return self.checkpoint_format.save(
             self, save_dir, tag, client_state or {}, save_latest, exclude_frozen_parameters
         )
 
@@ -396,7 +401,7 @@ class DeepSpeedEngine(nn.Module):
         Files are read without running pickled code; ``allow_unsafe_pickle=True`` (default: the
         config's ``checkpoint.allow_unsafe_pickle``) reads a trusted legacy file that needs
         more."""
-        loaded = checkpointer.load(
+        loaded = self.checkpoint_format.load(
             self,
             load_dir,
             tag,

@@ -120,9 +120,15 @@ def load(
     load_module_strict: bool,
     load_optimizer_states: bool,
     load_lr_scheduler_states: bool,
+    custom_load_fn: Any = None,
     allow_unsafe_pickle: bool | None = None,
 ) -> tuple[str | None, dict[str, Any] | None]:
     """Load a pipeline tag saved at any pipeline and data-parallel degree."""
+    if custom_load_fn is not None:
+        raise NotImplementedError(
+            "load_checkpoint(custom_load_fn=...) is not supported by the PipelineEngine; "
+            "load the layers with their own load_state_dict instead"
+        )
     checkpointer.wait(engine)
     config = engine.config.checkpoint
     unsafe = config.allow_unsafe_pickle if allow_unsafe_pickle is None else allow_unsafe_pickle

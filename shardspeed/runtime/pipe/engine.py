@@ -25,7 +25,8 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from types import ModuleType
+from typing import Any, ClassVar
 
 import torch
 
@@ -84,6 +85,9 @@ class ActivationMeter:
 
 class PipelineEngine(DeepSpeedEngine):
     """The engine :func:`shardspeed.initialize` returns for a :class:`PipelineModule`."""
+
+    #: DeepSpeed's pipeline layout: a file per layer, per stage and per shard
+    checkpoint_format: ClassVar[ModuleType] = pipe_checkpoint
 
     def __init__(self, parts: EngineParts) -> None:
         super().__init__(parts)
@@ -476,50 +480,6 @@ class PipelineEngine(DeepSpeedEngine):
         schedule.ReduceGrads: _exec_reduce_grads,
         schedule.OptimizerStep: _exec_optimizer_step,
     }
-
-    # -- checkpoints ------------------------------------------------------------------------
-    def save_checkpoint(
-        self,
-        save_dir: str,
-        tag: str | None = None,
-        client_state: dict[str, Any] | None = None,
-        save_latest: bool = True,
-        exclude_frozen_parameters: bool = False,
-    ) -> bool:
-        """Save in DeepSpeed's pipeline layout: a file per layer, per stage and per shard."""
-        return pipe_checkpoint.save(
-            self, save_dir, tag, client_state or {}, save_latest, exclude_frozen_parameters
-        )
-
-    def load_checkpoint(
-        self,
-        load_dir: str,
-        tag: str | None = None,
-        load_module_strict: bool = True,
-        load_optimizer_states: bool = True,
-        load_lr_scheduler_states: bool = True,
-        load_module_only: bool = False,
-        custom_load_fn: Any = None,
-        *,
-        allow_unsafe_pickle: bool | None = None,
-    ) -> tuple[str | None, dict[str, Any] | None]:
-        """Load a pipeline tag saved with any pipeline and data-parallel degree."""
-        if custom_load_fn is not None:
-            raise NotImplementedError(
-                "load_checkpoint(custom_load_fn=...) is not supported by the PipelineEngine; "
-                "load the layers with their own load_state_dict instead"
-            )
-        loaded = pipe_checkpoint.load(
-            self,
-            load_dir,
-            tag,
-            load_module_strict=load_module_strict,
-            load_optimizer_states=load_optimizer_states and not load_module_only,
-            load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only,
-            allow_unsafe_pickle=allow_unsafe_pickle,
-        )
-        self.state.open_window()
-        return loaded
 
     # -- the loss -----------------------------------------------------------------------------
     def _aggregate_loss(self, losses: list[torch.Tensor], bcast: bool) -> torch.Tensor:

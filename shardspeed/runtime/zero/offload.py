@@ -27,26 +27,20 @@ NONE, CPU, NVME = "none", "cpu", "nvme"
 
 
 @dataclass(frozen=True)
-class OptimizerOffload:
-    """The ``offload_optimizer`` section, as the ZeRO layer uses it."""
+class _OffloadSection:
+    """What the two offload sections share: where to, the NVMe folder, pinned buffers."""
 
     device: str = NONE
     nvme_path: Path | None = None
-    ratio: float = 1.0
     pin_memory: bool = False
 
-    @classmethod
-    def from_config(cls, zero: Any) -> OptimizerOffload:
-        section = getattr(zero, "offload_optimizer", None)
-        if section is None:
-            return cls()
-        device = str(getattr(section.device, "value", section.device))
-        return cls(
-            device=device,
-            nvme_path=section.nvme_path,
-            ratio=float(section.ratio),
-            pin_memory=bool(section.pin_memory),
-        )
+    @staticmethod
+    def _fields(section: Any) -> dict[str, Any]:
+        return {
+            "device": str(getattr(section.device, "value", section.device)),
+            "nvme_path": section.nvme_path,
+            "pin_memory": bool(section.pin_memory),
+        }
 
     @property
     def enabled(self) -> bool:
@@ -55,6 +49,20 @@ class OptimizerOffload:
     @property
     def to_nvme(self) -> bool:
         return self.device == NVME
+
+
+@dataclass(frozen=True)
+class OptimizerOffload(_OffloadSection):
+    """The ``offload_optimizer`` section, as the ZeRO layer uses it."""
+
+    ratio: float = 1.0
+
+    @classmethod
+    def from_config(cls, zero: Any) -> OptimizerOffload:
+        section = getattr(zero, "offload_optimizer", None)
+        if section is None:
+            return cls()
+        return cls(**cls._fields(section), ratio=float(section.ratio))
 
     def placement(self, device: torch.device) -> Placement:
         """Where a shard group's tensors live under this offload."""
@@ -87,33 +95,15 @@ class OptimizerOffload:
 
 
 @dataclass(frozen=True)
-class ParamOffload:
+class ParamOffload(_OffloadSection):
     """The ``offload_param`` section (ZeRO stage 3): where parameter shards live between
     uses. ``buffer_count``, ``buffer_size`` and ``max_in_cpu`` are accepted and not used: a
     shard is read straight into its own memory, which exists only while it is needed."""
 
-    device: str = NONE
-    nvme_path: Path | None = None
-    pin_memory: bool = False
-
     @classmethod
     def from_config(cls, zero: Any) -> ParamOffload:
         section = getattr(zero, "offload_param", None)
-        if section is None:
-            return cls()
-        return cls(
-            device=str(getattr(section.device, "value", section.device)),
-            nvme_path=section.nvme_path,
-            pin_memory=bool(section.pin_memory),
-        )
-
-    @property
-    def enabled(self) -> bool:
-        return self.device != NONE
-
-    @property
-    def to_nvme(self) -> bool:
-        return self.device == NVME
+        return cls() if section is None else cls(**cls._fields(section))
 
     def check(self, stage: int) -> None:
         if not self.enabled:

@@ -38,7 +38,8 @@ class Prefetcher:
         #: left gathered after their forward because they are used again soon
         self._kept: list[GatherUnit] = []
         #: kept gathered until the accumulation window's reducing backward (:meth:`hold`)
-        self.held: list[GatherUnit] = []
+        #: (a set: every release asks whether its unit is held)
+        self.held: set[GatherUnit] = set()
 
     def begin(self, phase: int) -> None:
         self.traces[phase].begin()
@@ -105,11 +106,11 @@ class Prefetcher:
             return
         total = sum(u.numel for u in self.units if not u.persistent)
         if 0 < total <= min(self.options.max_live_parameters, self.options.max_reuse_distance):
-            self.held = [u for u in self.units if not u.persistent]
+            self.held = {u for u in self.units if not u.persistent}
 
     def unhold(self) -> None:
         """The micro-step reduces: the held units are released as usual from now on."""
-        self.held = []
+        self.held = set()
 
     def releasable(self, unit: GatherUnit) -> bool:
         return unit not in self.held
@@ -123,5 +124,5 @@ class Prefetcher:
                 unit.release()
                 released = True
         self._kept = []
-        self.held = []
+        self.held = set()
         return released
