@@ -116,11 +116,11 @@ def int8_under_tp(family: str) -> dict[str, float]:
     """int8 weights on top of AutoTP over the world vs the fp32 single-process model."""
     from tests.inference.int8_quality import quality
 
-    reference = models.build(family)
+    reference = models.trained(family)
     engine = shardspeed.init_inference(
-        models.build(family), tensor_parallel={"tp_size": comm.get_world_size()}, dtype=torch.int8
+        models.trained(family), tensor_parallel={"tp_size": comm.get_world_size()}, dtype=torch.int8
     )
-    return quality(reference, engine, family)
+    return quality(reference, engine)
 
 
 def fused_tp_tokens(families: list[str]) -> dict[str, bool]:

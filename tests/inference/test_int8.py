@@ -1,4 +1,8 @@
-"""Weight-only int8: ~1/4 of the fp32 weight bytes, logits close to fp32, ties kept."""
+"""Weight-only int8: ~1/4 of the fp32 weight bytes, logits close to fp32, ties kept.
+
+The quality figures come from the tiny models trained briefly on a structured token stream
+(``models.trained``): a random model's near-flat logits would let any perturbation flip the
+greedy token, which says nothing about the quantizer."""
 
 from __future__ import annotations
 
@@ -13,13 +17,15 @@ from tests.inference.int8_quality import quality
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gpt2"])
 def test_int8_bytes_and_quality(family):
-    reference = models.build(family)
-    engine = shardspeed.init_inference(models.build(family), dtype=torch.int8)
-    figures = quality(reference, engine, family)
+    reference = models.trained(family)
+    engine = shardspeed.init_inference(models.trained(family), dtype=torch.int8)
+    figures = quality(reference, engine)
+    print(family, figures)
     assert figures["bytes_ratio"] <= 0.27, figures
     assert figures["cosine"] > 0.999, figures
     assert abs(figures["ppl_int8"] / figures["ppl_fp32"] - 1) < 0.01, figures
-    assert figures["argmax_agree"] > 0.9, figures
+    assert figures["argmax_agree"] > 0.97, figures
+    assert figures["greedy_equal"] >= 0.75 * figures["greedy_total"], figures  # 8 x 32 tokens
     assert any(isinstance(m, Int8Linear) for m in engine.module.modules())
     assert not any(isinstance(m, torch.nn.Linear) for m in engine.module.modules())
 
@@ -64,5 +70,7 @@ def test_bad_quant_settings_are_errors():
 
 def test_int8_under_tensor_parallel(dist_pool):
     for figures in dist_pool(2).run(ranks.int8_under_tp, "llama"):
+        print(figures)
         assert figures["cosine"] > 0.999, figures
+        assert figures["greedy_equal"] >= 0.75 * figures["greedy_total"], figures
         assert figures["bytes_ratio"] < 0.27 / 2 + 0.03, figures
