@@ -3,7 +3,8 @@
 Construction, in order: resolve the tensor-parallel group; pick the weight source (the model in
 memory, or a safetensors checkpoint read slice by slice); split the model by AutoTP's plan while
 converting dtype and placing weights; quantize to int8 when ``dtype`` is int8; build the fused
-decoder when ``replace_with_kernel_inject`` is set and the model is supported.
+decoder when ``replace_with_kernel_inject`` is set and the model is supported, its per-token
+step captured in a CUDA graph with ``enable_cuda_graph``.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class InferenceEngine(nn.Module):
         self.tp: TPGroup = resolve_tp_group(config.tensor_parallel, config.mpu)
         self.compute_dtype = _compute_dtype(model, config.dtype)
         self.device = torch.device("cpu") if config.keep_module_on_host else _device()
+        _check_cuda_graph(config, self.device, self.tp.size)
         _tie_weights(model)
         plan = build_plan(
             model,
@@ -65,6 +67,13 @@ class InferenceEngine(nn.Module):
         self.fused: Any = None
         if config.replace_with_kernel_inject:
             self.fused = _build_fused(model, config, self.tp, self.compute_dtype)
+        if config.enable_cuda_graph and self.fused is not None:
+            self.fused.decode_mode = "cuda_graph"
+        elif config.enable_cuda_graph:
+            logger.warning(
+                "enable_cuda_graph: only the fused decoding step is captured "
+                "(replace_with_kernel_inject=True on a supported model); nothing is captured here"
+            )
         self.model_profile_enabled = False
         self.use_cuda_events = True
         self._model_times: list[float] = []
@@ -132,7 +141,6 @@ class InferenceEngine(nn.Module):
 
 # settings the config accepts (DeepSpeed has them) that change nothing here yet
 _NOT_IMPLEMENTED = (
-    "enable_cuda_graph",
     "use_triton",
     "triton_autotune",
     "save_mp_checkpoint_path",
@@ -148,6 +156,26 @@ def _warn_not_implemented(config: DeepSpeedInferenceConfig) -> None:
             )
     if config.ep_size > 1 or (not isinstance(config.moe, bool) and config.moe.ep_size > 1):
         logger.warning("inference MoE (ep_size > 1) is not implemented yet; experts are not split")
+
+
+def _check_cuda_graph(config: DeepSpeedInferenceConfig, device: torch.device, tp_size: int) -> None:
+    """``enable_cuda_graph`` needs the model on a CUDA device (as in DeepSpeed) and, here, one
+    tensor-parallel rank; refuse anything else before the model is touched."""
+    if not config.enable_cuda_graph:
+        return
+    if device.type != "cuda":
+        where = "keep_module_on_host=True keeps it on the host" if device.type == "cpu" else ""
+        raise ValueError(
+            f"enable_cuda_graph=True captures the decoding step in a CUDA graph, but the model "
+            f"runs on {device.type}{f' ({where})' if where else ''}; CUDA graphs exist only on "
+            "CUDA devices. Set enable_cuda_graph=False, or run on a CUDA device."
+        )
+    if tp_size > 1:
+        raise ValueError(
+            f"enable_cuda_graph=True with tensor_parallel.tp_size={tp_size} is not supported yet "
+            "(the decoding step's all-reduces are not captured); set enable_cuda_graph=False or "
+            "tp_size=1."
+        )
 
 
 def _tie_weights(model: nn.Module) -> None:

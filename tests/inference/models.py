@@ -117,6 +117,18 @@ def weight_bytes(module: torch.nn.Module) -> int:
     return total
 
 
+def fused(family: str, **config: Any) -> Any:
+    """``init_inference`` of the family's model with fused decoding (fp32, 64-token cache)."""
+    import shardspeed
+
+    config = {
+        "dtype": torch.float32,
+        "replace_with_kernel_inject": True,
+        "max_out_tokens": 64,
+    } | config
+    return shardspeed.init_inference(build(family), **config)
+
+
 def greedy(model: Any, ids: torch.Tensor, new_tokens: int = 32) -> torch.Tensor:
     out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
     return out[:, ids.shape[1] :]

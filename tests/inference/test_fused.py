@@ -15,20 +15,11 @@ from tests.inference import models, ranks
 FAMILIES = ["llama", "qwen2", "qwen3", "gpt2"]
 
 
-def _fused(family: str, **config):
-    config = {
-        "dtype": torch.float32,
-        "replace_with_kernel_inject": True,
-        "max_out_tokens": 64,
-    } | config
-    return shardspeed.init_inference(models.build(family), **config)
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_tokens_equal_hf_eager(family):
     ids = models.prompt(batch=2)
     eager = models.build(family, attn_implementation="eager")
-    engine = _fused(family)
+    engine = models.fused(family)
     assert engine.fused is not None
     calls = []
     engine.fused.register_forward_hook(lambda *_: calls.append(1))
@@ -42,7 +33,7 @@ def test_greedy_tokens_equal_hf_eager(family):
 def test_int8_fused_equals_int8_model_and_shares_weights():
     ids = models.prompt()
     plain = shardspeed.init_inference(models.build("llama"), dtype="int8")
-    fused = _fused("llama", dtype="int8")
+    fused = models.fused("llama", dtype="int8")
     assert torch.equal(models.greedy(fused, ids), models.greedy(plain, ids))
     assert models.weight_bytes(fused.module) == models.weight_bytes(plain.module)
     attn = fused.module.model.layers[0].self_attn
@@ -51,7 +42,7 @@ def test_int8_fused_equals_int8_model_and_shares_weights():
 
 
 def test_eos_min_new_tokens_and_fallbacks(caplog):
-    engine = _fused("qwen2")
+    engine = models.fused("qwen2")
     eager = models.build("qwen2")
     ids = models.prompt()
     eos = int(models.greedy(eager, ids, 4)[0, 2])  # a token the model emits early
@@ -90,7 +81,7 @@ def test_left_padded_batch_equals_hf_eager(family):
     """Prompts of different lengths, left-padded: positions count real tokens only and padded
     slots are never attended, as in Hugging Face."""
     eager = models.build(family, attn_implementation="eager")
-    engine = _fused(family)
+    engine = models.fused(family)
     ids = models.prompt(batch=3, length=9)
     mask = torch.ones_like(ids)
     mask[0, :4] = 0

@@ -21,8 +21,9 @@ class Step:
     """What every layer needs for one forward step besides its input."""
 
     cache: StaticKVCache
-    start: int
-    """Cache slot of the step's first token."""
+    start: int | torch.Tensor
+    """Cache slot of the step's first token; a one-element tensor for a static decoding step
+    (one token, attending over the whole cache through ``mask``)."""
     rope: Rope
     mask: torch.Tensor | None = None
     """(batch, 1, tokens, start + tokens), True where a query may attend (padded batches);
@@ -69,9 +70,13 @@ class FusedAttention(nn.Module):
             cos, sin = step.rope[0].unsqueeze(1), step.rope[1].unsqueeze(1)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
-        keys, values = step.cache.write(self.layer, step.start, k, v)
-        # a prompt is run from slot 0 only, so "causal" lines up with the cache
-        assert tokens == 1 or step.start == 0, "multi-token steps must start at slot 0"
+        if isinstance(step.start, torch.Tensor):
+            assert tokens == 1 and step.mask is not None, "a static step is one masked token"
+            keys, values = step.cache.write_at(self.layer, step.start, k, v)
+        else:
+            keys, values = step.cache.write(self.layer, step.start, k, v)
+            # a prompt is run from slot 0 only, so "causal" lines up with the cache
+            assert tokens == 1 or step.start == 0, "multi-token steps must start at slot 0"
         attn = F.scaled_dot_product_attention(
             q,
             keys,

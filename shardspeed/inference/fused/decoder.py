@@ -3,16 +3,23 @@ with greedy generation that runs the prompt once and then one token per step."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from shardspeed.inference.fused.attention import Rope, Step
 from shardspeed.inference.fused.kv_cache import StaticKVCache
+from shardspeed.inference.fused.static_step import StaticDecodeStep
 
-__all__ = ["CacheShape", "FusedCausalLM", "Padding"]
+__all__ = ["CacheShape", "DecodeMode", "FusedCausalLM", "Padding"]
+
+DecodeMode = Literal["dynamic", "static", "cuda_graph"]
+"""How each generated token runs: ``dynamic`` attends over the filled slots only; ``static``
+runs :class:`StaticDecodeStep` eagerly (fixed shapes, the whole cache masked); ``cuda_graph``
+captures that step in a CUDA graph once and replays it per token (``enable_cuda_graph``)."""
 
 # generate() arguments the fused loop honours; anything else goes to Hugging Face's generate
 _ACCEPTED = frozenset(
@@ -93,13 +100,15 @@ class FusedCausalLM(nn.Module):
         self.generation_config = generation_config
         self.rope_tables = rope_tables
         self.dtype = dtype
+        self.decode_mode: DecodeMode = "dynamic"
         self._cache: StaticKVCache | None = None
+        self._static: StaticDecodeStep | None = None
 
     def cache_for(self, batch: int, dtype: torch.dtype, device: torch.device) -> StaticKVCache:
         """The static cache for ``batch`` sequences, allocated on first use of that batch size."""
         shape = self.cache_shape
         if self._cache is None or not self._cache.fits(batch, shape.capacity, dtype):
-            self._cache = None  # free the old one before allocating
+            self._cache = self._static = None  # free the old one (a graph holds it) first
             self._cache = StaticKVCache(
                 shape.layers, batch, shape.kv_heads, shape.capacity, shape.head_dim, dtype, device
             )
@@ -123,6 +132,20 @@ class FusedCausalLM(nn.Module):
         else:
             positions = padding.positions[:, start : start + tokens]
             mask = padding.attention_mask(start, tokens)
+        return self.run(ids, positions, cache, start, mask, all_logits)
+
+    def run(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: StaticKVCache,
+        start: int | torch.Tensor,
+        mask: torch.Tensor | None,
+        all_logits: bool = False,
+    ) -> torch.Tensor:
+        """The blocks over ``ids`` at ``positions`` (1 or batch, tokens), written at cache slot
+        ``start`` (an int, or a one-element tensor for a static step), attending as ``mask``
+        allows (None: causal over the filled slots)."""
         x = self.embed(ids)
         if self.positions is not None:
             x = x + self.positions(positions)
@@ -166,6 +189,7 @@ class FusedCausalLM(nn.Module):
         mask = kwargs.get("attention_mask")
         padding = None if mask is None or bool(mask.all()) else Padding.of(mask, prompt + new)
         logits = self(ids, cache, 0, padding=padding)
+        decode = self._decoder(cache, padding)
         done = torch.zeros(batch, dtype=torch.bool, device=ids.device)
         out = []
         for step in range(new):
@@ -178,8 +202,21 @@ class FusedCausalLM(nn.Module):
             out.append(token)
             if (eos is not None and bool(done.all())) or step + 1 == new:
                 break
-            logits = self(token[:, None], cache, prompt + step, padding=padding)
+            logits = decode(token, prompt + step)
         return torch.cat([ids, torch.stack(out, dim=1)], dim=1)
+
+    def _decoder(
+        self, cache: StaticKVCache, padding: Padding | None
+    ) -> Callable[[torch.Tensor, int], torch.Tensor]:
+        """The per-token step of :attr:`decode_mode`: ``(token (batch,), slot) -> logits``."""
+        if self.decode_mode == "dynamic":
+            return lambda token, slot: self(token[:, None], cache, slot, padding=padding)
+        use_graph = self.decode_mode == "cuda_graph"
+        static = self._static
+        if static is None or static.cache is not cache or static.use_graph != use_graph:
+            static = self._static = StaticDecodeStep(self, cache, graph=use_graph)
+        static.set_padding(padding)
+        return static
 
     def _limits(
         self, prompt: int, kwargs: dict[str, Any], device: torch.device
