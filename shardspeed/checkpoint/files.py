@@ -22,6 +22,11 @@ OPTIM_SHARD = "zero_pp_rank_{}_mp_rank_00_optim_states.pt"
 #: DeepSpeed's ZeRO-3 writes a model-states file per data-parallel rank, by rank, and no
 #: :data:`MODEL_STATES` (their module tensors are empty: the weights are in the optimizer shards)
 ZERO3_MODEL_STATES = "zero_pp_rank_{}_mp_rank_00_model_states.pt"
+#: one expert's weights (Mixture of Experts), by MoE layer and global expert index: DeepSpeed's
+#: name; the module weights in :data:`MODEL_STATES` leave the experts out
+EXPERT_MODEL_STATES = "layer_{}_expert_{}_mp_rank_00_model_states.pt"
+#: the same expert's fp32 weights and optimizer state, each parameter whole (shardspeed's)
+EXPERT_OPTIM_STATES = "layer_{}_expert_{}_mp_rank_00_optim_states.pt"
 #: the file beside the tags naming the newest one
 LATEST_FILE = "latest"
 #: the file beside a checkpoint naming the newest universal tag

@@ -98,9 +98,9 @@ class Resharder:
         optimizer class (torch's AdamW for shardspeed's, say) still steps."""
         self._check_params(layout)
         saved_optimizer = self.reference["optimizer"]
-        if len(saved_optimizer["param_groups"]) != 1 + max(
-            (b["group"] for b in layout), default=-1
-        ):
+        # groups holding only parameters saved elsewhere (experts) are absent from the layout
+        expected = len(current_groups) or 1 + max((b["group"] for b in layout), default=-1)
+        if len(saved_optimizer["param_groups"]) != expected:
             raise ValueError(
                 f"the checkpoint's optimizer has {len(saved_optimizer['param_groups'])} parameter "
                 "groups and this run's a different number; build the optimizer with the same "

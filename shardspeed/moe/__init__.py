@@ -1,5 +1,6 @@
 """Mixture of Experts (``deepspeed.moe``): the ``MoE`` layer, gating, experts and param-group
-helpers. Expert parallelism (``ep_size > 1``) is not built yet."""
+helpers. With ``ep_size > 1`` each rank holds ``num_experts / ep_size`` experts and tokens reach
+them by all-to-all over the expert-parallel group (``shardspeed.utils.groups``)."""
 
 from shardspeed.moe.experts import Experts
 from shardspeed.moe.layer import MoE

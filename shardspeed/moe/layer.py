@@ -5,7 +5,8 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from shardspeed.moe.experts import Experts
-from shardspeed.moe.sharded_moe import EXPERT_PARALLEL_NOT_BUILT, TUTEL_REFUSED, MOELayer, TopKGate
+from shardspeed.moe.sharded_moe import TUTEL_REFUSED, MOELayer, TopKGate
+from shardspeed.utils import groups
 
 NOISY_GATE_POLICIES = (None, "None", "Jitter", "RSample")
 
@@ -16,7 +17,11 @@ class MoE(nn.Module):
     ``k`` experts per token out of ``num_experts``; ``use_residual`` adds the dense ``expert``
     as a residual branch mixed by a learned 2-way coefficient (Residual MoE, arXiv 2201.05596).
     Expert weights live at ``deepspeed_moe.experts.deepspeed_experts.<i>.*`` and the router at
-    ``deepspeed_moe.gate.wg.weight``, as in DeepSpeed. Only ``ep_size=1`` is built.
+    ``deepspeed_moe.gate.wg.weight``, as in DeepSpeed. With ``ep_size > 1`` this rank holds
+    ``num_experts / ep_size`` of them (``deepspeed_experts.<i>`` is global expert
+    ``ep_rank * num_local_experts + i``) and tokens reach them by all-to-all over the
+    expert-parallel group, which :func:`shardspeed.initialize` makes (or
+    :meth:`set_deepspeed_parallelism`).
     """
 
     def __init__(
@@ -44,8 +49,11 @@ class MoE(nn.Module):
             raise ValueError(
                 f"num_experts ({num_experts}) must be divisible by ep_size ({ep_size})"
             )
-        if ep_size != 1:
-            raise NotImplementedError(f"{EXPERT_PARALLEL_NOT_BUILT} (got ep_size={ep_size})")
+        if enable_expert_tensor_parallelism:
+            raise NotImplementedError(
+                "enable_expert_tensor_parallelism=True is not supported by shardspeed (it has no "
+                "tensor parallelism for training); pass enable_expert_tensor_parallelism=False"
+            )
         if noisy_gate_policy not in NOISY_GATE_POLICIES:
             raise ValueError(
                 f"noisy_gate_policy={noisy_gate_policy!r} is not one of {NOISY_GATE_POLICIES}"
@@ -53,7 +61,7 @@ class MoE(nn.Module):
         self.use_residual = use_residual
         self.enable_expert_tensor_parallelism = enable_expert_tensor_parallelism
         self.ep_size = ep_size
-        self.expert_group_name = f"ep_size_{ep_size}"
+        self.expert_group_name = groups.expert_group_name(ep_size)
         self.num_experts = num_experts
         self.num_local_experts = num_experts // ep_size
         experts = Experts(expert, self.num_local_experts, self.expert_group_name)
@@ -76,6 +84,15 @@ class MoE(nn.Module):
         if use_residual:
             self.mlp = expert
             self.coefficient = nn.Linear(hidden_size, 2)
+
+    def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
+        """Make this layer's expert-parallel groups (if no layer of the same ``ep_size`` made
+        them) and route over them. Every rank calls it, for its layers in the same order."""
+        self._create_process_groups(use_data_before_expert_parallel_)
+
+    def _create_process_groups(self, use_data_before_expert_parallel_: bool = False) -> None:
+        groups._create_expert_and_data_parallel(self.ep_size, use_data_before_expert_parallel_)
+        self.deepspeed_moe._set_ep_group(groups._get_expert_parallel_group(self.expert_group_name))
 
     def forward(
         self, hidden_states: Tensor, used_token: Tensor | None = None

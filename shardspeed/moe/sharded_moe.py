@@ -3,17 +3,20 @@
 The gating functions keep DeepSpeed's signatures and return its dense
 ``(l_aux, combine_weights, dispatch_mask, exp_counts)``; ``MOELayer`` itself routes through the
 index-based ``Routing`` (see ``gating.py`` and ``dispatch.py``) and never builds the dense tensors.
-Only ``ep_size=1`` (all experts local) is built so far.
+With ``ep_size > 1`` each rank holds ``num_experts / ep_size`` experts and the expert buffers
+travel by all-to-all over the expert-parallel group (``all_to_all.py``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from shardspeed import comm
+from shardspeed.moe.all_to_all import agree_capacity, all_to_all
 from shardspeed.moe.dispatch import combine, dispatch
 from shardspeed.moe.gating import route_top1, route_top2, route_topk
 from shardspeed.moe.noise import gumbel_rsample, multiplicative_jitter
@@ -29,9 +32,10 @@ __all__ = [
     "topkgating",
 ]
 
-EXPERT_PARALLEL_NOT_BUILT = (
-    "expert parallelism (ep_size > 1) is not built yet in shardspeed; use ep_size=1 "
-    "(all experts on every rank)"
+NO_EP_GROUP = (
+    "this MoE layer has ep_size={ep_size} but no expert-parallel group yet: pass the model to "
+    "deepspeed.initialize (which makes the groups), or call set_deepspeed_parallelism() on the "
+    "MoE layer after torch.distributed is initialized"
 )
 TUTEL_REFUSED = "use_tutel=True is not supported by shardspeed (Tutel kernels are not used); pass use_tutel=False"
 
@@ -198,8 +202,6 @@ class MOELayer(nn.Module):
         super().__init__()
         if use_tutel:
             raise NotImplementedError(TUTEL_REFUSED)
-        if ep_size != 1:
-            raise NotImplementedError(f"{EXPERT_PARALLEL_NOT_BUILT} (got ep_size={ep_size})")
         self.gate = gate
         self.experts = experts
         self.ep_group: comm.ProcessGroup | None = None
@@ -213,17 +215,34 @@ class MOELayer(nn.Module):
 
     def _set_ep_group(self, ep_group: comm.ProcessGroup) -> None:
         self.ep_group = ep_group
-        self.gate._set_ep_group(ep_group)
+        self.gate.ep_group = ep_group
+
+    def _exchange_group(self) -> comm.ProcessGroup | None:
+        """The expert-parallel group tokens travel over (None: every expert is local)."""
+        if self.ep_size == 1:
+            return None
+        if self.ep_group is None:
+            raise RuntimeError(NO_EP_GROUP.format(ep_size=self.ep_size))
+        return self.ep_group
 
     def forward(self, *input: Tensor, **kwargs: Any) -> Tensor:
         hidden = input[0]
         used_token = input[1] if len(input) > 1 else None
         model_dim = hidden.shape[-1]
         tokens = hidden.reshape(-1, model_dim)
+        group = self._exchange_group()
         routing = self.gate.route(tokens, used_token)
         self.l_aux, self.exp_counts = routing.l_aux, routing.exp_counts
+        if group is not None:
+            # one buffer size for the whole group (ranks may route different token counts)
+            capacity = agree_capacity(routing.capacity, group, tokens.device)
+            routing = dataclasses.replace(routing, capacity=capacity)
         buffers = dispatch(tokens, routing)
+        if group is not None:
+            buffers = all_to_all(group, buffers)
         buffers = buffers.reshape(self.ep_size, self.num_local_experts, -1, model_dim)
         expert_output = self.experts(buffers)
+        if group is not None:
+            expert_output = all_to_all(group, expert_output)
         expert_output = expert_output.reshape(self.ep_size * self.num_local_experts, -1, model_dim)
         return combine(expert_output, routing).reshape(hidden.shape)

@@ -17,6 +17,7 @@ from shardspeed.runtime import checkpointer
 from shardspeed.runtime.dataloader import build_dataloader
 from shardspeed.runtime.engine_monitoring import EngineObservability
 from shardspeed.runtime.engine_parts import EngineParts
+from shardspeed.runtime.expert_groups import expert_comm_for
 from shardspeed.runtime.optimizer_setup import build_basic_optimizer, build_lr_scheduler
 from shardspeed.runtime.precision.autocast import init_autocast_params
 from shardspeed.runtime.precision.loss_scaler import loss_scaler_for_policy
@@ -42,10 +43,20 @@ def data_parallel_group(mpu: Any) -> tuple[CommGroup, Any]:
 
 
 def strategy_context(
-    config: DeepSpeedConfig, precision: PrecisionPolicy, dp: CommGroup, device: torch.device
+    config: DeepSpeedConfig,
+    precision: PrecisionPolicy,
+    dp: CommGroup,
+    device: torch.device,
+    model: nn.Module | None = None,
 ) -> StrategyContext:
-    """What the ZeRO strategy needs from the config."""
+    """What the ZeRO strategy needs from the config (and, for Mixture of Experts, ``model``:
+    its MoE layers get their expert-parallel groups here)."""
     zero = config.zero_optimization
+    comm_for = None
+    if model is not None:
+        comm_for = expert_comm_for(
+            model, dp, int(zero.stage), bool(config.use_data_before_expert_parallelism)
+        )
     return StrategyContext(
         precision=precision,
         reduce=GradReduceOptions(
@@ -61,6 +72,7 @@ def strategy_context(
         aio=config.aio,
         allow_untested_optimizer=bool(config.zero_allow_untested_optimizer),
         grad_accum_dtype=config.data_types.grad_accum_dtype,
+        comm_for=comm_for,
     )
 
 
@@ -102,7 +114,7 @@ def assemble(
             model, precision.autocast_dtype, list(precision.lower_precision_safe_modules)
         )
     device = torch.device(get_accelerator().current_device_name())
-    strategy = build_strategy(model, strategy_context(config, precision, dp, device))
+    strategy = build_strategy(model, strategy_context(config, precision, dp, device, model))
     strategy.place_module(move=not dont_change_device)
     params = model_parameters if model_parameters is not None else model.parameters()
     basic_optimizer = build_basic_optimizer(optimizer, params, config)

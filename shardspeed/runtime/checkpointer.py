@@ -42,6 +42,7 @@ from shardspeed.checkpoint.files import (
 from shardspeed.checkpoint.manifest import check_tag
 from shardspeed.checkpoint.snapshot import snapshot
 from shardspeed.checkpoint.sources import read_model_states, saved_shards
+from shardspeed.runtime import moe_checkpoint
 from shardspeed.runtime.checkpoint_writer import PendingSave, start_save
 from shardspeed.runtime.rank_agreement import agree_on
 from shardspeed.runtime.train_state import COUNTERS
@@ -161,9 +162,15 @@ def _rank_files(
     module_state = engine.strategy.full_state_dict(
         exclude_frozen_parameters=exclude_frozen_parameters
     )
+    moe: dict[str, Any] = {}
+    if moe_checkpoint.has_experts(engine.module):  # experts go to files of their own
+        module_state, expert_files = moe_checkpoint.split_module_state(engine, module_state)
+        files.update(expert_files)
+        moe[moe_checkpoint.MOE_INFO] = moe_checkpoint.info(engine)
     if not commits:
         return files
     files[MODEL_STATES] = {
+        **moe,
         "module": module_state,
         "optimizer": None if shard is not None else optimizer_state,
         "lr_scheduler": engine.lr_scheduler.state_dict()
@@ -254,9 +261,15 @@ def load(
     except Exception as error:  # every rank must learn of it before any collective
         failure = error
     agree_on(failure, f"load checkpoint {folder}", engine.device)
-    engine.strategy.load_full_state_dict(
-        state.get("module", state), load_module_strict, custom_load_fn
-    )
+    module_state = state.get("module", state)
+    experts = bool(state.get(moe_checkpoint.MOE_INFO)) and moe_checkpoint.has_experts(engine.module)
+    failure = None
+    try:  # the experts this rank holds now, from their own files
+        module_state = moe_checkpoint.module_state_with_experts(engine, folder, state, unsafe)
+    except Exception as error:  # every rank must learn of it before any collective
+        failure = error
+    agree_on(failure, f"load the expert weights of {folder}", engine.device)
+    engine.strategy.load_full_state_dict(module_state, load_module_strict, custom_load_fn)
     saved, failure = None, None
     if load_optimizer_states and engine.optimizer is not None:
         try:
@@ -266,7 +279,15 @@ def load(
         agree_on(failure, f"load the optimizer state of {folder}", engine.device)
     if saved is not None:
         assert engine.optimizer is not None
+        if experts:
+            saved = moe_checkpoint.with_expert_slots(engine, saved)
         engine.optimizer.load_state_dict(saved)
+        if experts:
+            try:
+                moe_checkpoint.load_expert_optimizer(engine, folder, unsafe)
+            except Exception as error:  # every rank must learn of it before any collective
+                failure = error
+            agree_on(failure, f"load the expert optimizer state of {folder}", engine.device)
     if engine.optimizer is not None and (
         saved is None or not engine.config.zero_optimization.load_from_fp32_weights
     ):
@@ -287,6 +308,7 @@ def load(
         "ds_version",
         *COUNTERS,
         UNIVERSAL_CHECKPOINT_INFO,
+        moe_checkpoint.MOE_INFO,
         # what DeepSpeed's model files add
         *_DEEPSPEED_KEYS,
     }

@@ -130,8 +130,12 @@ def test_noisy_gate_policies_train_and_eval(policy: str) -> None:
 
 
 def test_refusals() -> None:
-    with pytest.raises(NotImplementedError, match="expert parallelism"):
-        MoE(HIDDEN, _expert(), num_experts=EXPERTS, ep_size=2)
+    unplaced = MoE(HIDDEN, _expert(), num_experts=EXPERTS, ep_size=2)
+    assert len(unplaced.deepspeed_moe.experts.deepspeed_experts) == EXPERTS // 2
+    with pytest.raises(RuntimeError, match="no expert-parallel group yet"):
+        unplaced(torch.randn(4, HIDDEN))
+    with pytest.raises(NotImplementedError, match="enable_expert_tensor_parallelism"):
+        MoE(HIDDEN, _expert(), num_experts=EXPERTS, enable_expert_tensor_parallelism=True)
     with pytest.raises(NotImplementedError, match="use_tutel"):
         MoE(HIDDEN, _expert(), num_experts=EXPERTS, use_tutel=True)
     with pytest.raises(ValueError, match="divisible"):

@@ -7,7 +7,9 @@ reduced gradient on every rank, so its sum is already complete; a partitioned gr
 1-3) holds one piece per rank of its process group, so its sums are added over that group. Sums
 split over the same group are added before the one all-reduce of that group. Pipeline and
 tensor parallelism split parameters across further ranks: ``model_parallel`` adds the total
-over them (None until those axes exist).
+over them (None until those axes exist). Expert parameters (Mixture of Experts) are spread over
+their expert-parallel group too, each rank holding other experts: their sums are also added over
+that group (``spread_over``), so every expert counts once.
 
 A replicated group's sum is the square of its float32 norm of per-tensor norms (exact in
 float64), so a single replicated group yields exactly ``torch.nn.utils.clip_grad_norm_``'s
@@ -27,19 +29,29 @@ from shardspeed.runtime.zero.comm_group import CommGroup
 
 @dataclass(frozen=True)
 class GradSquares:
-    """A 0-dim float64 sum of squares, and the group it is split over (None: complete)."""
+    """A 0-dim float64 sum of squares, the group it is split over (None: complete) and the
+    group holding other parameters of its kind (None: none)."""
 
     value: torch.Tensor
     split_over: CommGroup | None
+    spread_over: CommGroup | None = None
 
 
-def replicated_squares(grads: Sequence[torch.Tensor], device: torch.device) -> GradSquares:
-    """The squares of gradients every rank holds whole."""
+def _spread(group: CommGroup | None) -> CommGroup | None:
+    spread = None if group is None else group.spread_over
+    return spread if spread is not None and spread.partitioned else None
+
+
+def replicated_squares(
+    grads: Sequence[torch.Tensor], device: torch.device, group: CommGroup | None = None
+) -> GradSquares:
+    """The squares of gradients every rank of ``group`` holds whole."""
     if not grads:
-        return GradSquares(torch.zeros((), dtype=torch.float64, device=device), None)
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        return GradSquares(zero, None, _spread(group))
     norms = torch._foreach_norm(list(grads), 2.0)
     norm = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), 2.0)
-    return GradSquares(norm.double().square(), None)
+    return GradSquares(norm.double().square(), None, _spread(group))
 
 
 def partitioned_squares(
@@ -52,7 +64,7 @@ def partitioned_squares(
         for on_device in _by_device(grads).values():
             norms = torch.stack([n.double() for n in torch._foreach_norm(on_device, 2.0)])
             squares = squares + norms.square().sum().to(device)
-    return GradSquares(squares, group if group.partitioned else None)
+    return GradSquares(squares, group if group.partitioned else None, _spread(group))
 
 
 def _by_device(tensors: Sequence[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
@@ -72,15 +84,15 @@ class GradNormReducer:
     def global_norm(self, parts: Sequence[GradSquares], device: torch.device) -> torch.Tensor:
         """The L2 norm of the full gradient (0-dim float32)."""
         total = torch.zeros((), dtype=torch.float64, device=device)
-        split: dict[CommGroup, torch.Tensor] = {}
+        split: dict[tuple[CommGroup | None, CommGroup | None], torch.Tensor] = {}
         for part in parts:
-            if part.split_over is None:
-                total = total + part.value
-            else:
-                previous = split.get(part.split_over)
-                split[part.split_over] = part.value if previous is None else previous + part.value
-        for group, value in split.items():
-            comm.all_reduce(value, group=group.group)
+            key = (part.split_over, part.spread_over)
+            previous = split.get(key)
+            split[key] = part.value if previous is None else previous + part.value
+        for (over, spread), value in split.items():
+            for group in (over, spread):
+                if group is not None:
+                    comm.all_reduce(value, group=group.group)
             total = total + value
         if self.model_parallel is not None and self.model_parallel.partitioned:
             comm.all_reduce(total, group=self.model_parallel.group)

@@ -71,7 +71,7 @@ class PartitionedStrategy(ZeroStrategy):
             )
 
     def _group(self) -> PartitionedGroup:
-        group = self.only_group()
+        group = self.dense_group()
         assert isinstance(group, PartitionedGroup)
         return group
 
@@ -94,10 +94,9 @@ class PartitionedStrategy(ZeroStrategy):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        group = self._group()
         if state.get("fp32_chunks") is not None:
-            group.check_layout(state, self.bucket_layout())
-        group.load_state_dict(state)
+            self._group().check_layout(state, self.bucket_layout())
+        super().load_state_dict(state)
 
     def sharded_state(
         self,

@@ -88,7 +88,7 @@ class InPlaceChunks(ReducedGradients):
             flat, own = bucket.flat(), group.partition.chunk_slice(bucket.index)
             flat[: own.start].zero_()
             flat[own.stop :].zero_()
-            flat[own].mul_(group.comm.world_size)  # the pre and post factors multiply to 1/N
+            flat[own].mul_(group.comm.divisor)  # the pre and post factors multiply to 1/N
 
     def target(self, group: PartitionedGroup, bucket: GradBucket) -> tuple[torch.Tensor, bool]:
         # the buffers hold the running sum (see before_reducing_backward): replace, in place

@@ -51,7 +51,7 @@ class ReplicatedStrategy(ZeroStrategy):
         )
 
     def _group(self) -> ReplicatedGroup:
-        group = self.only_group()
+        group = self.dense_group()
         assert isinstance(group, ReplicatedGroup)
         return group
 

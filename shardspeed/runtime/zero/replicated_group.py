@@ -59,10 +59,13 @@ class ReplicatedGroup(ShardGroup):
 
     # -- backward ---------------------------------------------------------------------------
     def begin_backward(self, reduce: bool) -> None:
-        self.buckets.begin(reduce and self.comm.partitioned)
+        self.buckets.begin(reduce and self.comm.reduces)
 
     def _launch(self, bucket: GradBucket) -> None:
         staging = comm_source(bucket.flat(), bucket.comm_dtype, self.pre_scale)
+        if not self.comm.partitioned:  # alone in the group: only the average's scaling
+            self._finish(bucket, staging)
+            return
         work = comm.all_reduce(staging, group=self.comm.group, async_op=True)
         self.inflight.add(work, partial(self._finish, bucket, staging))
 
@@ -101,7 +104,7 @@ class ReplicatedGroup(ShardGroup):
             self.masters.copy_grads_to_master(inv_loss_scale)
 
     def grad_squares(self) -> GradSquares:
-        return replicated_squares(self.step_grads(), self.placement.device)
+        return replicated_squares(self.step_grads(), self.placement.device, self.comm)
 
     def after_step(self) -> None:
         if not self.masters.is_identity:

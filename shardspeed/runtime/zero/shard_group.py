@@ -79,7 +79,7 @@ class ShardGroup(ABC):
         self.comm = comm
         self.placement = placement
         self.options = options
-        self.pre_scale, self.post_scale = options.reduce.scale_factors(comm.world_size)
+        self.pre_scale, self.post_scale = options.reduce.scale_factors(comm.divisor)
         for record in self.records:
             record.group = self
             if record.comm_dtype is None:  # torch_autocast may have chosen one per parameter

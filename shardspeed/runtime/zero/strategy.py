@@ -138,18 +138,27 @@ class ZeroStrategy:
     def place_module(self, move: bool = True) -> None:
         """Cast the module to the training dtype, move it to the device (unless ``move`` is
         False: ``dont_change_device``) and start every data-parallel rank from rank 0's
-        weights and buffers."""
+        weights and buffers (expert parameters: from their expert-data-parallel group's first
+        rank; the other ranks hold other experts)."""
         dtype = self.ctx.precision.param_dtype
         if dtype != torch.float32:
             self.module.to(dtype=dtype)
         if move:
             self.module.to(self.placement.device)
-        dp = self.ctx.data_parallel
-        if not dp.partitioned:
-            return
-        src = comm.get_global_rank(dp.group, 0) if dp.group is not None else 0
-        for tensor in [*self.module.parameters(), *self.module.buffers()]:
-            comm.broadcast(tensor.data, src=src, group=dp.group)
+        by_group: dict[CommGroup, list[torch.Tensor]] = {}
+        for record in self.registry.records:
+            by_group.setdefault(self.comm_group_of(record), []).append(record.param)
+        by_group.setdefault(self.ctx.data_parallel, []).extend(self.module.buffers())
+        for group, tensors in by_group.items():
+            if not group.partitioned:
+                continue
+            src = comm.get_global_rank(group.group, 0) if group.group is not None else 0
+            for tensor in tensors:
+                comm.broadcast(tensor.data, src=src, group=group.group)
+
+    def comm_group_of(self, record: ParamRecord) -> CommGroup:
+        """The process group ``record``'s parameter is replicated over and reduces over."""
+        return self.ctx.data_parallel if self.ctx.comm_for is None else self.ctx.comm_for(record)
 
     def full_state_dict(
         self, prefix: str = "", keep_vars: bool = False, exclude_frozen_parameters: bool = False
@@ -218,12 +227,7 @@ class ZeroStrategy:
         for record in self.registry.records:
             if record.param.requires_grad and id(record.param) in opt_group:
                 record.opt_group = opt_group[id(record.param)]
-                comm_group = (
-                    self.ctx.data_parallel
-                    if self.ctx.comm_for is None
-                    else self.ctx.comm_for(record)
-                )
-                by_comm.setdefault(comm_group, []).append(record)
+                by_comm.setdefault(self.comm_group_of(record), []).append(record)
         self.groups = [self.make_group(records, group) for group, records in by_comm.items()]
         stepped = {id(t) for group in self.groups for t in group.masters.master_params}
         for index, param_group in enumerate(optimizer.param_groups):
@@ -354,22 +358,27 @@ class ZeroStrategy:
         del dp_rank
         return None
 
-    def only_group(self) -> ShardGroup:
-        """The one shard group whose state a checkpoint holds."""
-        if len(self.groups) != 1:
-            raise NotImplementedError(
-                f"checkpoints of a strategy with {len(self.groups)} shard groups are not "
-                "supported yet (they arrive with Mixture of Experts)"
+    def dense_group(self) -> ShardGroup:
+        """The shard group of the model's dense parameters, whose state the strategy's
+        checkpoint holds (Mixture-of-Experts groups are saved expert by expert, see
+        :mod:`shardspeed.runtime.moe_checkpoint`)."""
+        dense = [g for g in self.groups if not g.comm.label]
+        if len(dense) != 1:
+            raise RuntimeError(
+                f"expected one shard group of dense parameters, found {len(dense)} (a model "
+                "whose every trained parameter is an expert has no dense state to checkpoint)"
             )
-        return self.groups[0]
+        return dense[0]
 
     def state_dict(self) -> dict[str, Any]:
         return versioned({"stage": self.stage})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; ``{}`` makes the masters follow the module's weights."""
+        """Restore :meth:`state_dict` into the dense group; ``{}`` makes the masters follow the
+        module's weights (expert groups always do; their saved state is set after)."""
+        dense = self.dense_group() if self.groups else None
         for group in self.groups:
-            group.load_state_dict(state)
+            group.load_state_dict(state if group is dense else {})
 
     def sharded_state(
         self,

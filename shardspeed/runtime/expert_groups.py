@@ -1,0 +1,76 @@
+"""Mixture of Experts at initialize: make each MoE layer's expert-parallel groups and say which
+process group every expert parameter reduces over.
+
+DeepSpeed marks an expert parameter with ``allreduce = False`` and the name of its layers'
+groups (``group_name = "ep_size_<n>"``). Such a parameter is replicated, and its gradient
+reduced, over its expert-data-parallel group only (the ranks holding the same experts), averaged
+over the whole data-parallel group: the gradient of an expert already sums the tokens its
+expert-parallel peers routed to it. Everything else reduces over the data-parallel group.
+Expert parameters form shard groups of their own also at ``ep_size=1``, so the dense
+parameters' checkpoint layout does not depend on the expert-parallel size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from shardspeed import comm
+from shardspeed.moe.layer import MoE
+from shardspeed.moe.utils import is_moe_param
+from shardspeed.runtime.zero.comm_group import CommGroup
+from shardspeed.runtime.zero.records import ParamRecord
+from shardspeed.utils import groups
+
+
+def _comm_group(group: Any) -> CommGroup:
+    return CommGroup(group, comm.get_rank(group), comm.get_world_size(group))
+
+
+def expert_comm_for(
+    model: nn.Module, dp: CommGroup, zero_stage: int, use_data_before_expert_parallel: bool
+) -> Callable[[ParamRecord], CommGroup] | None:
+    """Make the groups of every ``MoE`` layer of ``model`` (each rank, layers in module order)
+    and return the strategy's ``comm_for``; None for a model with no expert parameters."""
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.set_deepspeed_parallelism(use_data_before_expert_parallel)
+    names = {p.group_name for p in model.parameters() if is_moe_param(p)}  # type: ignore[attr-defined]
+    if not names:
+        return None
+    by_name: dict[str, CommGroup] = {}
+    for name in sorted(names):
+        ep_size = groups._get_expert_parallel_world_size(name)
+        if ep_size == 1:  # reduced as the dense parameters are, but kept as a group apart
+            by_name[name] = dataclasses.replace(dp, label=name)
+            continue
+        if zero_stage >= 3:
+            raise NotImplementedError(
+                f"Mixture of Experts with expert parallelism ({name}) is not supported with "
+                "ZeRO stage 3 (nor is it in DeepSpeed); use zero_optimization.stage 0, 1 or 2, "
+                "or ep_size=1"
+            )
+        if dp.world_size != comm.get_world_size():
+            raise NotImplementedError(
+                "expert parallelism needs the data-parallel group to be the whole world "
+                f"(here {dp.world_size} of {comm.get_world_size()} ranks: pipeline or model "
+                "parallelism is in use); use ep_size=1"
+            )
+        by_name[name] = CommGroup(
+            groups._get_expert_data_parallel_group(name),
+            groups._get_expert_data_parallel_rank(name),
+            groups._get_expert_data_parallel_world_size(name),
+            average_over=dp.world_size,
+            spread_over=_comm_group(groups._get_expert_parallel_group(name)),
+            label=name,
+        )
+
+    def comm_for(record: ParamRecord) -> CommGroup:
+        if is_moe_param(record.param):
+            return by_name[record.param.group_name]  # type: ignore[attr-defined]
+        return dp
+
+    return comm_for
