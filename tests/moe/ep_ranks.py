@@ -18,7 +18,7 @@ from shardspeed.utils import groups, safe_get_full_grad
 from tests.runtime.parity import OPT_PARAMS, assert_close, reference_backward
 
 HIDDEN, EXPERTS = 8, 4
-TINY = GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=16)
+TINY = GPTConfig(vocab_size=64, block_size=8, n_layer=4, n_head=2, n_embd=16)  # MoE: 1, 3
 
 
 def _expert() -> nn.Module:
@@ -173,5 +173,32 @@ def engine_parity(
             state = {"model": reference.state_dict(), "optimizer": ref_opt.state_dict()}
             torch.save(state, f"{save_dir}/reference.pt")
         dist.barrier()
+    engine.destroy()
+    return losses
+
+
+def precision_run(dtype: str, ep_size: int, stage: int, steps: int = 6) -> list[float]:
+    """Train the GPT-MoE in ``dtype`` (``bf16``/``fp16``) for ``steps``; the global losses."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    model = GPTMoE(TINY, MoEConfig(ep_size=ep_size, num_experts=4, k=2))
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": stage},
+        dtype: {"enabled": True, **({"initial_scale_power": 8} if dtype == "fp16" else {})},
+    }
+    engine, *_ = shardspeed.initialize(model=model, config=config)
+    x, y = synthetic_tokens(steps * 2 * world, TINY, seed=1).tensors
+    losses = []
+    for step in range(steps):
+        rows = slice((step * world + rank) * 2, (step * world + rank + 1) * 2)
+        loss = engine(x[rows], y[rows])
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().float()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
     engine.destroy()
     return losses

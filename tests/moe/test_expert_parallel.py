@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
+from shardspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from tests.moe import ep_ranks
 
 
@@ -42,9 +44,29 @@ def test_checkpoint_resumes_at_other_expert_and_data_parallel_sizes(
     save_dir = str(tmp_path)
     dist_pool(4).run(ep_ranks.engine_parity, saved_stage, 2, steps=3, save_dir=save_dir)
     names = {p.name for p in (tmp_path / "t").iterdir()}
-    # DeepSpeed's expert layout: 1 MoE layer x 4 experts, beside the dense model states
-    assert {f"layer_0_expert_{e}_mp_rank_00_model_states.pt" for e in range(4)} <= names
+    # DeepSpeed's expert layout: 2 MoE layers x 4 experts, beside the dense model states
+    expert_files = {
+        f"layer_{m}_expert_{e}_mp_rank_00_model_states.pt" for m in (0, 1) for e in range(4)
+    }
+    assert expert_files <= names
+    # zero_to_fp32 puts the experts back: the whole ep_size=1 model, as the reference has it
+    consolidated = get_fp32_state_dict_from_zero_checkpoint(save_dir, "t")
+    reference = torch.load(tmp_path / "reference.pt", weights_only=True)["model"]
+    assert consolidated.keys() == reference.keys()
+    for name, value in reference.items():
+        torch.testing.assert_close(consolidated[name], value, rtol=1e-5, atol=2e-5, msg=name)
     resume = {"steps": 3, "first_step": 3, "load_dir": save_dir}
     dist_pool(2).run(ep_ranks.engine_parity, 2 - saved_stage // 2, 2, **resume)
     dist_pool(4).run(ep_ranks.engine_parity, saved_stage, 4, **resume)
     dist_pool(4).run(ep_ranks.engine_parity, 1, 1, **resume)
+
+
+@pytest.mark.parametrize(("dtype", "stage"), [("bf16", 2), ("fp16", 1)])
+def test_half_precision_expert_parallel_follows_replicated_experts(dist_pool, dtype, stage):
+    """bf16 / fp16 (loss scaling): ep_size 2 follows the all-experts-local run within
+    half-precision rounding, and trains."""
+    pool = dist_pool(2)
+    parallel = pool.run(ep_ranks.precision_run, dtype, 2, stage)[0]
+    replicated = pool.run(ep_ranks.precision_run, dtype, 1, stage)[0]
+    assert parallel == pytest.approx(replicated, rel=2e-2)
+    assert parallel[-1] < parallel[0]
