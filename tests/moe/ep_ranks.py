@@ -104,6 +104,7 @@ def engine_parity(
     first_step: int = 0,
     load_dir: str | None = None,
     save_dir: str | None = None,
+    config_extra: dict[str, Any] | None = None,
 ) -> list[float]:
     """Train the GPT-MoE with the engine (``ep_size``, ZeRO ``stage``) and a single-process
     ``ep_size=1`` copy on the whole global batch; assert losses, parameters and (``clip=0``)
@@ -122,6 +123,7 @@ def engine_parity(
         "gradient_clipping": clip,
         "optimizer": {"type": "AdamW", "params": dict(OPT_PARAMS)},
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000},
+        **(config_extra or {}),
     }
     engine, *_ = shardspeed.initialize(model=model, config=config)
     ref_params = dict(reference.named_parameters())
@@ -202,3 +204,25 @@ def precision_run(dtype: str, ep_size: int, stage: int, steps: int = 6) -> list[
         losses.append(total.item() / world)
     engine.destroy()
     return losses
+
+
+def group_layout(use_data_before: bool) -> tuple[list[int], list[int]]:
+    """This rank's (expert-parallel, expert-data-parallel) ranks for ep_size 2, made afresh in
+    the order asked for."""
+    groups._forget_expert_groups()
+    groups._create_expert_and_data_parallel(2, use_data_before)
+    name = groups.expert_group_name(2)
+    return groups._get_expert_parallel_ranks(name), groups._get_expert_data_parallel_ranks(name)
+
+
+def data_before_expert_parity() -> list[float]:
+    """Training in parity with the expert-data-parallel ranks consecutive."""
+    groups._forget_expert_groups()
+    try:
+        extra = {"use_data_before_expert_parallelism": True}
+        losses = engine_parity(1, 2, steps=4, config_extra=extra)
+        made = groups._get_expert_parallel_ranks(groups.expert_group_name(2))
+        assert made == [dist.get_rank() % 2, dist.get_rank() % 2 + 2], made
+        return losses
+    finally:
+        groups._forget_expert_groups()

@@ -70,3 +70,16 @@ def test_half_precision_expert_parallel_follows_replicated_experts(dist_pool, dt
     replicated = pool.run(ep_ranks.precision_run, dtype, 1, stage)[0]
     assert parallel == pytest.approx(replicated, rel=2e-2)
     assert parallel[-1] < parallel[0]
+
+
+def test_group_layouts_and_data_before_expert_order(dist_pool):
+    """DeepSpeed's rank layout: expert-parallel ranks consecutive by default, expert-data-
+    parallel ranks consecutive with use_data_before_expert_parallelism (which trains in parity
+    too)."""
+    pool = dist_pool(4)
+    default = pool.run(ep_ranks.group_layout, False)
+    assert default == [([0, 1], [0, 2]), ([0, 1], [1, 3]), ([2, 3], [0, 2]), ([2, 3], [1, 3])]
+    swapped = pool.run(ep_ranks.group_layout, True)
+    assert swapped == [([0, 2], [0, 1]), ([1, 3], [0, 1]), ([0, 2], [2, 3]), ([1, 3], [2, 3])]
+    pool.run(ep_ranks.data_before_expert_parity)
+    pool.run(ep_ranks.group_layout, False)  # the default order again for later tests
