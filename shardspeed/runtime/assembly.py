@@ -13,6 +13,7 @@ from torch import nn
 from shardspeed import comm
 from shardspeed.accelerator import get_accelerator
 from shardspeed.config import DeepSpeedConfig
+from shardspeed.moe.autoep import apply_autoep
 from shardspeed.runtime import checkpointer
 from shardspeed.runtime.dataloader import build_dataloader
 from shardspeed.runtime.engine_monitoring import EngineObservability
@@ -104,6 +105,15 @@ def assemble(
 ) -> EngineParts:
     """Every part of an engine for ``model`` under ``config``."""
     checkpointer.check_config(config)
+    if config.expert_parallel.enabled:  # AutoEP: swap HF MoE blocks before ZeRO sees the model
+        apply_autoep(
+            model,
+            config.expert_parallel,
+            zero_stage=int(config.zero_optimization.stage),
+            autotp_size=int(config.tensor_parallel.autotp_size),
+            mpu=mpu,
+            use_data_before_expert_parallel=bool(config.use_data_before_expert_parallelism),
+        )
     dp, topology = data_parallel_group(mpu)
     precision = PrecisionPolicy.from_sections(
         config.fp16, config.bf16, config.torch_autocast, config.communication_data_type

@@ -1,0 +1,56 @@
+"""AutoEP on 2 gloo ranks, ``autoep_size`` 2: small Mixtral, Qwen3-MoE, Qwen2-MoE and
+DeepSeek-V3 models built from configs equal the unmodified model, forward and in training."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.moe.autoep import autoep_ranks
+
+
+@pytest.mark.parametrize(
+    "family", ["mixtral", "qwen3_moe", "qwen2_moe", "qwen3_5_moe", "deepseek_v2", "deepseek_v3"]
+)
+def test_forward_equals_unmodified_model(dist_pool, family: str):
+    errors = dist_pool(2).run(autoep_ranks.forward_parity, family)
+    assert all(e["logits"] < 1e-5 and e["router_logits"] < 1e-5 for e in errors), errors
+
+
+@pytest.mark.parametrize("sigmoid_groups", [False, True])
+def test_custom_model_with_linear_router(dist_pool, sigmoid_groups: bool):
+    errors = dist_pool(2).run(autoep_ranks.custom_parity, sigmoid_groups)
+    assert all(e["output"] < 1e-5 for e in errors), errors
+
+
+@pytest.mark.parametrize(
+    ("family", "stage", "ep_size"),
+    [("mixtral", 0, 2), ("mixtral", 2, 2), ("qwen3_moe", 0, 2), ("qwen3_moe", 2, 2),
+     ("qwen3_moe", 1, 2), ("mixtral", 2, 1)],
+)  # fmt: skip
+def test_training_equals_data_parallel(dist_pool, family: str, stage: int, ep_size: int):
+    results = dist_pool(2).run(autoep_ranks.training_parity, family, stage, ep_size)
+    losses = [r["losses"] for r in results]
+    assert all(len(rank_losses) == 10 for rank_losses in losses)
+    assert losses[0][-1] < losses[0][0]
+
+
+def test_training_with_expert_data_parallel_groups(dist_pool):
+    """4 ranks, autoep_size 2: each expert slice is held by 2 ranks and reduced over them."""
+    results = dist_pool(4).run(autoep_ranks.training_parity, "qwen3_moe", 2)
+    assert results[0]["losses"][-1] < results[0]["losses"][0]
+
+
+def test_refusals(dist_pool):
+    messages = dist_pool(2).run(autoep_ranks.refusals)[0]
+    expected = {
+        "stage3": "stage 2",
+        "autotp": "autotp_size",
+        "mpu_tp": "tensor model parallelism",
+        "deepseek_lb": "load_balance_coeff to null",
+        "world": "divide the world size",
+        "experts": "must divide the 3 experts",
+        "preset": "not an AutoEP preset",
+        "routing_key": "routes by itself",
+    }
+    for case, fragment in expected.items():
+        assert fragment in messages[case], (case, messages[case])
