@@ -153,6 +153,27 @@ def forward_parity(family: str) -> dict[str, float]:
     return errors
 
 
+def empty_rank_parity() -> float:
+    """A rank with no tokens still takes part in the exchange (and its experts serve the other
+    rank); outputs and gradients equal the unmodified block's."""
+    rank = dist.get_rank()
+    reference = build("qwen2_moe").model.layers[0].mlp
+    holder = _held(copy.deepcopy(reference))
+    apply_autoep(holder, ExpertParallelConfig(**section("qwen2_moe", moe_layer_pattern="mlp")))
+    x = torch.randn(1, 7 * rank, 16, generator=torch.Generator().manual_seed(3))
+    out, ref = holder.mlp(x), reference(x)
+    assert_close(out, ref, "empty-rank output", 1e-5, 1e-6)
+    out.sum().backward()
+    ref.sum().backward()
+    return _compare_grads(holder, _held(reference), "empty-rank")
+
+
+def _held(block: nn.Module) -> nn.Module:
+    holder = nn.Module()
+    holder.add_module("mlp", block)
+    return holder
+
+
 def _compare_grads(model: nn.Module, reference: nn.Module, what: str) -> float:
     """Every gradient of ``model`` equals ``reference``'s, an expert slice's equal to the sum
     over the ranks of the reference's rows (an expert learns from every rank's tokens)."""
@@ -190,7 +211,7 @@ def training_parity(family: str, stage: int, ep_size: int = 2, steps: int = 10) 
     slices = _local_slices(engine.module)
     assert slices, "AutoEP replaced nothing"
     ref_params = dict(ref_engine.module.named_parameters())
-    losses, max_param_error = [], 0.0
+    losses, norms, max_param_error = [], [], 0.0
     for step in range(steps):
         ids = _tokens(rank, step % 2, 2, 6)  # two batches again and again: the loss falls
         loss = engine(input_ids=ids, labels=ids).loss
@@ -200,6 +221,10 @@ def training_parity(family: str, stage: int, ep_size: int = 2, steps: int = 10) 
         ref_engine.backward(ref_loss)
         ref_engine.step()
         assert_close(loss.detach(), ref_loss.detach(), f"{family} loss at step {step}", 1e-5, 1e-6)
+        norm, ref_norm = engine.get_global_grad_norm(), ref_engine.get_global_grad_norm()
+        assert norm is not None and ref_norm is not None
+        assert abs(norm - ref_norm) <= 1e-5 * ref_norm, (step, norm, ref_norm)  # experts once
+        norms.append(ref_norm)
         for name, param in engine.module.named_parameters():
             expected = ref_params[name].detach()
             if name in slices:
@@ -209,6 +234,7 @@ def training_parity(family: str, stage: int, ep_size: int = 2, steps: int = 10) 
         losses.append(loss.item())
     engine.destroy()
     ref_engine.destroy()
+    assert max(norms) > base["gradient_clipping"], norms  # clipping took part
     return {"losses": losses, "max_param_error": max_param_error}
 
 

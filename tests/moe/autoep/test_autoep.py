@@ -34,6 +34,11 @@ def test_training_equals_data_parallel(dist_pool, family: str, stage: int, ep_si
     assert losses[0][-1] < losses[0][0]
 
 
+def test_a_rank_without_tokens(dist_pool):
+    errors = dist_pool(2).run(autoep_ranks.empty_rank_parity)
+    assert max(errors) < 1e-5
+
+
 def test_training_with_expert_data_parallel_groups(dist_pool):
     """4 ranks, autoep_size 2: each expert slice is held by 2 ranks and reduced over them."""
     results = dist_pool(4).run(autoep_ranks.training_parity, "qwen3_moe", 2)
