@@ -8,6 +8,10 @@ writes ``layer_<L>_expert_<E>_mp_rank_00_optim_states.pt``: every parameter of t
 its fp32 master and its optimizer state. The first rank of each expert-data-parallel group
 writes the files of the experts its group holds.
 
+AutoEP's layers keep a rank's experts fused in one tensor per weight (``[local experts, ...]``,
+row ``i`` is global expert ``first_expert + i``); each expert's row goes to the same files, under
+the fused parameter's name.
+
 Nothing in these files depends on the saving job's expert-parallel or data-parallel size, so a
 job with another ``ep_size`` or world size loads them: each rank reads the files of the experts
 it now holds and cuts its own piece. The rest of the optimizer state (the dense parameters) is
@@ -25,6 +29,7 @@ from torch import nn
 
 from shardspeed.checkpoint.files import EXPERT_MODEL_STATES, EXPERT_OPTIM_STATES
 from shardspeed.checkpoint.reader import load_file
+from shardspeed.moe.autoep.experts import LocalExperts
 from shardspeed.moe.experts import Experts
 from shardspeed.moe.utils import is_moe_param
 from shardspeed.utils import groups
@@ -39,7 +44,8 @@ _MARKER = "deepspeed_experts."
 
 @dataclass(frozen=True)
 class ExpertParam:
-    """One parameter of one local expert, and where a checkpoint keeps it."""
+    """One parameter of one local expert (or, ``row`` set, one expert's row of a fused
+    parameter), and where a checkpoint keeps it."""
 
     local_name: str
     param: nn.Parameter
@@ -49,41 +55,49 @@ class ExpertParam:
     global_name: str
     #: whether this rank writes its expert's files (first of its expert-data-parallel group)
     writes: bool
+    #: the expert's row of a fused ``[local experts, ...]`` parameter (None: the whole tensor)
+    row: int | None = None
+
+
+def _placement(params: list[nn.Parameter]) -> tuple[int, bool]:
+    """(this rank's expert-parallel rank, whether it writes) for an expert module's params."""
+    name = params[0].group_name if params else groups.expert_group_name(1)  # type: ignore[attr-defined]
+    if name not in groups._get_expert_parallel_group_dict():
+        return 0, True
+    ep_rank = groups._get_expert_parallel_rank(name)
+    return ep_rank, groups._get_expert_data_parallel_rank(name) == 0
 
 
 def expert_params(module: nn.Module) -> list[ExpertParam]:
-    """Every expert parameter of ``module``'s MoE layers, in module order. Raises for expert
-    parameters outside DeepSpeed's ``Experts`` container, whose layout has no files."""
+    """Every expert parameter of ``module``'s MoE layers (DeepSpeed's ``Experts``, AutoEP's
+    ``LocalExperts``), in module order. Raises for expert parameters in neither."""
     found: list[ExpertParam] = []
     layer = 0
     for prefix, experts in module.named_modules():
-        if not isinstance(experts, Experts):
+        if isinstance(experts, Experts):
+            ep_rank, writes = _placement(list(experts.parameters()))
+            local_count = experts.num_local_experts
+            for index, expert in enumerate(experts.deepspeed_experts):
+                global_index = ep_rank * local_count + index
+                for pname, param in expert.named_parameters():
+                    local = f"{prefix}.{_MARKER}{index}.{pname}"
+                    key = f"{prefix}.{_MARKER}{global_index}.{pname}"
+                    found.append(ExpertParam(local, param, layer, global_index, key, writes))
+        elif isinstance(experts, LocalExperts):
+            _, writes = _placement(list(experts.parameters()))
+            for pname, param in experts.named_parameters():
+                name = f"{prefix}.{pname}"
+                for row in range(experts.num_experts):
+                    index = experts.first_expert + row
+                    found.append(ExpertParam(name, param, layer, index, name, writes, row))
+        else:
             continue
-        params = list(experts.parameters())
-        name = params[0].group_name if params else groups.expert_group_name(1)  # type: ignore[attr-defined]
-        ep_rank = groups._get_expert_parallel_rank(name)
-        writes = groups._get_expert_data_parallel_rank(name) == 0 if _has_groups(name) else True
-        local_count = experts.num_local_experts
-        for index, expert in enumerate(experts.deepspeed_experts):
-            global_index = ep_rank * local_count + index
-            for pname, param in expert.named_parameters():
-                local = f"{prefix}.{_MARKER}{index}.{pname}"
-                found.append(
-                    ExpertParam(
-                        local,
-                        param,
-                        layer,
-                        global_index,
-                        f"{prefix}.{_MARKER}{global_index}.{pname}",
-                        writes,
-                    )
-                )
         layer += 1
     covered = {id(e.param) for e in found}
     stray = [n for n, p in module.named_parameters() if is_moe_param(p) and id(p) not in covered]
     if stray:
         raise NotImplementedError(
-            f"expert parameters outside a deepspeed_experts container ({stray[:3]}) have no "
+            f"expert parameters outside an MoE layer's experts ({stray[:3]}) have no "
             "checkpoint layout in shardspeed yet; save the module weights with "
             "save_16bit_model instead"
         )
@@ -95,7 +109,15 @@ def _has_groups(name: str) -> bool:
 
 
 def has_experts(module: nn.Module) -> bool:
-    return any(isinstance(m, Experts) for m in module.modules())
+    """Whether ``module`` has expert parameters (checkpoints then use the expert files)."""
+    return any(is_moe_param(p) for p in module.parameters())
+
+
+def _cut(value: Any, row: int | None) -> Any:
+    """``value`` or its ``row`` (a fused expert parameter's), a copy standing on its own."""
+    if row is None or not torch.is_tensor(value):
+        return value
+    return value[row].clone()
 
 
 # -- save -------------------------------------------------------------------------------------
@@ -111,12 +133,19 @@ def split_module_state(
     for e in experts:
         if e.writes and e.local_name in module_state:
             name = EXPERT_MODEL_STATES.format(e.layer, e.expert)
-            files.setdefault(name, {})[e.global_name] = module_state[e.local_name]
+            files.setdefault(name, {})[e.global_name] = _cut(module_state[e.local_name], e.row)
     if engine.optimizer is not None:
         for e, saved in zip(experts, _whole_states(engine, experts), strict=True):
             if e.writes and saved is not None:
                 name = EXPERT_OPTIM_STATES.format(e.layer, e.expert)
-                files.setdefault(name, {})[e.global_name] = saved
+                files.setdefault(name, {})[e.global_name] = {
+                    "fp32": _cut(saved["fp32"], e.row),
+                    "group": saved["group"],
+                    "state": {
+                        k: _cut(v, e.row) if torch.is_tensor(v) and v.dim() > 0 else v
+                        for k, v in saved["state"].items()
+                    },
+                }
     return dense, files
 
 
@@ -126,21 +155,21 @@ def _whole_states(engine: DeepSpeedEngine, experts: list[ExpertParam]) -> list[A
 
     strategy = engine.strategy
     out: list[Any] = []
+    done: dict[int, Any] = {}  # a fused parameter's rows share one assembly (a collective)
     with strategy.optimizer_state_resident():
         for e in experts:
             fragment = strategy.param_fragment(e.param)
-            if fragment is None:
-                out.append(None)
+            if fragment is None or id(e.param) in done:
+                out.append(None if fragment is None else done[id(e.param)])
                 continue
             assert strategy.optimizer is not None
             keys = sorted(strategy.optimizer.state.get(fragment.state_key, {}))
-            out.append(
-                {
-                    "fp32": safe_get_full_fp32_param(e.param),
-                    "group": strategy.registry[e.param].opt_group,
-                    "state": {k: safe_get_full_optimizer_state(e.param, k) for k in keys},
-                }
-            )
+            done[id(e.param)] = {
+                "fp32": safe_get_full_fp32_param(e.param),
+                "group": strategy.registry[e.param].opt_group,
+                "state": {k: safe_get_full_optimizer_state(e.param, k) for k in keys},
+            }
+            out.append(done[id(e.param)])
     return out
 
 
@@ -190,11 +219,31 @@ def module_state_with_experts(
         return state.get("module", state)
     files = _Files(folder, allow_unsafe_pickle)
     module = dict(state["module"])
-    for e in expert_params(engine.module):
-        module[e.local_name] = files.get(
-            EXPERT_MODEL_STATES.format(e.layer, e.expert), e.global_name
-        )
+    for local_name, parts in _by_param(expert_params(engine.module)).items():
+        values = [
+            files.get(EXPERT_MODEL_STATES.format(e.layer, e.expert), e.global_name) for e in parts
+        ]
+        module[local_name] = values[0] if parts[0].row is None else torch.stack(values)
     return module
+
+
+def _by_param(experts: list[ExpertParam]) -> dict[str, list[ExpertParam]]:
+    """The entries of each parameter (one, or one per row of a fused parameter), by name."""
+    found: dict[str, list[ExpertParam]] = {}
+    for e in experts:
+        found.setdefault(e.local_name, []).append(e)
+    return found
+
+
+def _joined(saved: list[dict[str, Any]], fused: bool) -> dict[str, Any]:
+    """One parameter's saved state from its rows' (as saved, when not fused)."""
+    if not fused:
+        return saved[0]
+    state: dict[str, Any] = {}
+    for key, value in saved[0]["state"].items():
+        rows = torch.is_tensor(value) and value.dim() > 0
+        state[key] = torch.stack([s["state"][key] for s in saved]) if rows else value
+    return {"fp32": torch.stack([s["fp32"] for s in saved]), "state": state}
 
 
 def with_expert_slots(engine: DeepSpeedEngine, saved: dict[str, Any]) -> dict[str, Any]:
@@ -229,11 +278,16 @@ def load_expert_optimizer(engine: DeepSpeedEngine, folder: Path, allow_unsafe_pi
     assert optimizer is not None
     files = _Files(folder, allow_unsafe_pickle)
     with strategy.optimizer_state_resident():
-        for e in expert_params(engine.module):
+        for parts in _by_param(expert_params(engine.module)).values():
+            e = parts[0]
             fragment = strategy.param_fragment(e.param)
             if fragment is None:
                 continue
-            saved = files.get(EXPERT_OPTIM_STATES.format(e.layer, e.expert), e.global_name)
+            rows = [
+                files.get(EXPERT_OPTIM_STATES.format(p.layer, p.expert), p.global_name)
+                for p in parts
+            ]
+            saved = _joined(rows, e.row is not None)
             state = optimizer.state[fragment.state_key]
             for key, value in saved["state"].items():
                 if torch.is_tensor(value) and value.numel() == e.param.numel():

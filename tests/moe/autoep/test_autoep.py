@@ -4,6 +4,7 @@ DeepSeek-V3 models built from configs equal the unmodified model, forward and in
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.moe.autoep import autoep_ranks
 
@@ -59,3 +60,24 @@ def test_refusals(dist_pool):
     }
     for case, fragment in expected.items():
         assert fragment in messages[case], (case, messages[case])
+
+
+def test_checkpoint_resumes_at_another_autoep_size(dist_pool, tmp_path):
+    """Saved at autoep_size 2 (ZeRO 2, 2 ranks: experts split in two), resumed in parity at
+    autoep_size 1 and under ZeRO 1, and on 4 ranks at autoep_size 4 (one expert row each)."""
+    from tests.moe.autoep import checkpoint_ranks
+
+    folder = str(tmp_path)
+    dist_pool(2).run(checkpoint_ranks.train_side_by_side, folder, 2, 2, 3, 0, False)
+    names = {p.name for p in (tmp_path / "autoep" / "t").iterdir()}
+    assert "layer_0_expert_3_mp_rank_00_model_states.pt" in names
+    # zero_to_fp32 stacks each fused tensor's expert rows back: the unmodified model's weights
+    from shardspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    merged = get_fp32_state_dict_from_zero_checkpoint(tmp_path / "autoep", "t")
+    plain = get_fp32_state_dict_from_zero_checkpoint(tmp_path / "plain", "t")
+    assert merged.keys() == plain.keys()
+    for name, value in plain.items():
+        torch.testing.assert_close(merged[name], value, rtol=1e-5, atol=1e-5, msg=name)
+    dist_pool(2).run(checkpoint_ranks.train_side_by_side, folder, 1, 1, 3, 3, True)
+    dist_pool(4).run(checkpoint_ranks.train_side_by_side, folder, 2, 4, 3, 3, True)
