@@ -166,6 +166,17 @@ def trained(family: str, steps: int = 200) -> torch.nn.Module:
 
 @functools.cache
 def _trained_state(family: str, steps: int) -> dict[str, torch.Tensor]:
+    # one thread: these tiny matmuls gain nothing from two, and on a busy machine a second
+    # thread's spin-waits make the steps many times slower
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _train(family, steps)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(family: str, steps: int) -> dict[str, torch.Tensor]:
     model = build(family).train()
     model.requires_grad_(True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
