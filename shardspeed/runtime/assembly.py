@@ -90,6 +90,25 @@ def wrap_optimizer(
     )
 
 
+def _parameters_of(model: nn.Module, given: Any) -> list[Any]:
+    """``model_parameters`` checked against the model AutoEP just changed: a list made before
+    ``initialize`` holds the experts it replaced, which nothing would train."""
+    items = [
+        {**item, "params": list(item["params"])} if isinstance(item, dict) else item
+        for item in given
+    ]
+    live = {id(p) for p in model.parameters()}
+    for item in items:
+        for tensor in item["params"] if isinstance(item, dict) else [item]:
+            if id(tensor) not in live:
+                raise ValueError(
+                    f"model_parameters holds a tensor of shape {tuple(tensor.shape)} that is not "
+                    "in the model after AutoEP replaced its MoE blocks (a list built before "
+                    "initialize); pass model.parameters() lazily, or leave model_parameters out"
+                )
+    return items
+
+
 def assemble(
     config: DeepSpeedConfig,
     model: nn.Module,
@@ -114,6 +133,8 @@ def assemble(
             mpu=mpu,
             use_data_before_expert_parallel=bool(config.use_data_before_expert_parallelism),
         )
+        if model_parameters is not None:
+            model_parameters = _parameters_of(model, model_parameters)
     dp, topology = data_parallel_group(mpu)
     precision = PrecisionPolicy.from_sections(
         config.fp16, config.bf16, config.torch_autocast, config.communication_data_type

@@ -63,3 +63,26 @@ def train_side_by_side(
     engine.destroy()
     ref_engine.destroy()
     return losses
+
+
+def stale_parameters() -> str:
+    """A parameter list built before initialize is refused (AutoEP replaced its experts); a
+    lazy ``model.parameters()`` is fine."""
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "expert_parallel": section("qwen3_moe"),
+    }
+    model = build("qwen3_moe")
+    try:
+        shardspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
+    except ValueError as error:
+        message = str(error)
+    else:
+        raise AssertionError("a stale parameter list was accepted")
+    model = build("qwen3_moe")
+    engine, *_ = shardspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=config
+    )
+    engine.destroy()
+    return message

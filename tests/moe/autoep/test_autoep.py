@@ -81,3 +81,10 @@ def test_checkpoint_resumes_at_another_autoep_size(dist_pool, tmp_path):
         torch.testing.assert_close(merged[name], value, rtol=1e-5, atol=1e-5, msg=name)
     dist_pool(2).run(checkpoint_ranks.train_side_by_side, folder, 1, 1, 3, 3, True)
     dist_pool(4).run(checkpoint_ranks.train_side_by_side, folder, 2, 4, 3, 3, True)
+
+
+def test_parameter_list_built_before_initialize_is_refused(dist_pool):
+    from tests.moe.autoep import checkpoint_ranks
+
+    message = dist_pool(2).run(checkpoint_ranks.stale_parameters)[0]
+    assert "not in the model after AutoEP" in message
