@@ -226,3 +226,36 @@ def data_before_expert_parity() -> list[float]:
         return losses
     finally:
         groups._forget_expert_groups()
+
+
+def stage_losses(stage: int, ep_size: int, steps: int = 4) -> list[float]:
+    """The global losses of the GPT-MoE trained at ZeRO ``stage`` (fp32, no clipping)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    model = GPTMoE(TINY, MoEConfig(ep_size=ep_size, num_experts=4, k=2))
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": dict(OPT_PARAMS)},
+        "zero_optimization": {"stage": stage},
+    }
+    engine, *_ = shardspeed.initialize(model=model, config=config)
+    x, y = synthetic_tokens(steps * 2 * world, TINY, seed=1).tensors
+    losses = []
+    for step in range(steps):
+        rows = slice((step * world + rank) * 2, (step * world + rank + 1) * 2)
+        loss = engine(x[rows], y[rows])
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    engine.destroy()
+    return losses
+
+
+def stage3_expert_parallel_refused() -> str:
+    try:
+        stage_losses(3, 2, steps=1)
+    except NotImplementedError as error:
+        return str(error)
+    raise AssertionError("ZeRO-3 with ep_size 2 was accepted")

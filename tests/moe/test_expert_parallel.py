@@ -83,3 +83,13 @@ def test_group_layouts_and_data_before_expert_order(dist_pool):
     assert swapped == [([0, 2], [0, 1]), ([1, 3], [0, 1]), ([0, 2], [2, 3]), ([1, 3], [2, 3])]
     pool.run(ep_ranks.data_before_expert_parity)
     pool.run(ep_ranks.group_layout, False)  # the default order again for later tests
+
+
+def test_zero3_runs_all_experts_local_and_refuses_expert_parallelism(dist_pool):
+    """ZeRO-3 partitions an ep_size=1 MoE model like any other (same losses as stage 0);
+    ep_size > 1 with ZeRO-3 is refused saying which stages work (as in DeepSpeed)."""
+    pool = dist_pool(2)
+    assert pool.run(ep_ranks.stage_losses, 3, 1)[0] == pytest.approx(
+        pool.run(ep_ranks.stage_losses, 0, 1)[0], rel=1e-5
+    )
+    assert "stage 0, 1 or 2" in pool.run(ep_ranks.stage3_expert_parallel_refused)[0]
