@@ -41,6 +41,7 @@ _LAZY: dict[str, str] = {
     "inference": "shardspeed.inference",
     "launcher": "shardspeed.launcher",
     "moe": "shardspeed.moe",
+    "sequence": "shardspeed.sequence",
 }
 
 __all__ = ["__version__", "__git_hash__", "__git_branch__", "log_dist", "logger", *_LAZY]
