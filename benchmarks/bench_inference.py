@@ -15,7 +15,9 @@ round (on a shared machine the minimum is the least disturbed run). Modes:
   Face's recipe), timed after warm-up compilations;
 * ``shardspeed_autotp``: ``init_inference`` without injection (the Hugging Face forward);
 * ``shardspeed_fused``: ``init_inference(replace_with_kernel_inject=True)``;
-* ``shardspeed_fused_tp2``: the same sharded over 2 gloo ranks (2 processes, one thread each).
+* ``shardspeed_fused_tp1_2ranks`` and ``shardspeed_fused_tp2``: 2 gloo ranks (2 processes, one
+  thread each) running the fused model whole on each rank side by side (TP 1), and split over
+  both (TP 2), timed interleaved in the same rounds; the slower rank's figure of each.
 
 ``load_tp2``: the model saved as safetensors shards of ``--shard_size``, then loaded at TP 2 by
 2 fresh ranks from a model built with ``init_empty_weights``; per rank, the bytes of its slice
@@ -23,7 +25,8 @@ and the peak growth of its resident set while loading (sampled every 0.5 ms), ag
 largest shard.
 
 Single-process modes use ``--threads`` threads (default 1, so TP 2 uses the same cores per rank).
-Greedy tokens of every mode are checked against ``hf_eager``. Prints one JSON line.
+Greedy tokens of every mode are checked against ``hf_eager``. Prints one JSON line, with the
+1-minute load average before and after the run.
 """
 
 from __future__ import annotations
@@ -34,7 +37,6 @@ import json
 import multiprocessing as mp
 import os
 import socket
-import sys
 import time
 from typing import Any
 
@@ -133,12 +135,17 @@ def _single_process(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     }
     if args.compile:
         builders["hf_compiled"] = lambda: _compiled(copy.deepcopy(base))
-    models = {name: build() for name, build in builders.items()}
+    return _interleaved({name: build() for name, build in builders.items()}, args)
+
+
+def _interleaved(models: dict[str, Any], args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """Warm every model at every batch size, then time them in rounds, modes interleaved within
+    a round (so a busy spell hits them all alike); per mode and batch the figures and tokens."""
     prompts = {batch: _prompt(args, batch) for batch in args.batches}
     tokens = {(n, b): _warm(m, prompts[b], args) for n, m in models.items() for b in args.batches}
     prefill: dict[tuple[str, int], list[float]] = {key: [] for key in tokens}
     full: dict[tuple[str, int], list[float]] = {key: [] for key in tokens}
-    for _ in range(args.repeats):  # modes interleaved, so a busy spell hits them all alike
+    for _ in range(args.repeats):
         for (name, batch), times in prefill.items():
             times.append(_once(models[name], prompts[batch], 1))
             full[(name, batch)].append(_once(models[name], prompts[batch], 1 + args.new))
@@ -166,21 +173,26 @@ def _join(rank: int, port: int) -> None:
 
 
 def _tp_rank(rank: int, port: int, args: argparse.Namespace, queue: Any) -> None:
+    """Both ranks build the fused model twice, whole (TP 1: each rank its own copy, running
+    side by side) and split (TP 2), and time them interleaved in the same rounds."""
     _join(rank, port)
     import shardspeed
 
-    engine = shardspeed.init_inference(
-        _model(args),
-        dtype=torch.float32,
-        tensor_parallel={"tp_size": 2},
-        replace_with_kernel_inject=True,
-        max_out_tokens=args.prompt + args.new + 1,
-    )
-    figures = {f"batch{b}": _measure(engine, _prompt(args, b), args) for b in args.batches}
+    def fused(tp_size: int) -> Any:
+        return shardspeed.init_inference(
+            _model(args),
+            dtype=torch.float32,
+            tensor_parallel={"tp_size": tp_size},
+            replace_with_kernel_inject=True,
+            max_out_tokens=args.prompt + args.new + 1,
+        )
+
+    figures = _interleaved({"tp1": fused(1), "tp2": fused(2)}, args)
     queue.put({"rank": rank, "figures": figures})
 
 
 def _tp2(args: argparse.Namespace) -> dict[str, Any]:
+    """TP 1 (one copy per rank) and TP 2 on 2 ranks: the slower rank's figure of each."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -192,9 +204,19 @@ def _tp2(args: argparse.Namespace) -> dict[str, Any]:
     results = sorted((queue.get(timeout=1800) for _ in procs), key=lambda r: r["rank"])
     for proc in procs:
         proc.join()
-    # both ranks ran in lockstep; report rank 0's figures (the slowest rank's equal them)
-    figures: dict[str, Any] = results[0]["figures"]
-    return figures
+    modes: dict[str, Any] = {}
+    for mode, name in (("tp1", "shardspeed_fused_tp1_2ranks"), ("tp2", "shardspeed_fused_tp2")):
+        modes[name] = {}
+        for batch, row in results[0]["figures"][mode].items():
+            other = results[1]["figures"][mode][batch]
+            modes[name][batch] = {
+                "prefill_ms": max(row["prefill_ms"], other["prefill_ms"]),
+                "decode_ms_per_token": max(
+                    row["decode_ms_per_token"], other["decode_ms_per_token"]
+                ),
+                "tokens": row["tokens"] if row["tokens"] == other["tokens"] else None,
+            }
+    return modes
 
 
 def _rss() -> int:
@@ -292,9 +314,10 @@ def main() -> None:
     parser.add_argument("--shard_size", default="8MB", help="safetensors shard size for --load")
     args = parser.parse_args()
 
+    load_before = os.getloadavg()[0]
     modes = _single_process(args)
     if args.tp2:
-        modes["shardspeed_fused_tp2"] = _tp2(args)
+        modes |= _tp2(args)
     reference = {batch: row["tokens"] for batch, row in modes["hf_eager"].items()}
     for figures in modes.values():
         for batch, row in figures.items():
@@ -313,6 +336,8 @@ def main() -> None:
                 "device": "cpu",
                 "dtype": "fp32",
                 "torch": torch.__version__,
+                # the 1-minute load average before and after: the machine may be shared
+                "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
                 "modes": modes,
                 "load_tp2": load,
             }
@@ -321,4 +346,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
