@@ -323,6 +323,8 @@ def save_module_weights(
     weights = engine.strategy.weights_for_save(exclude_frozen_parameters)
     if weights is None:
         return False
+    if moe_checkpoint.has_experts(engine.module):  # every expert, from the peers holding it
+        weights = moe_checkpoint.whole_model_weights(engine.module, weights)
     if engine.global_rank == 0:
         Path(save_dir).mkdir(parents=True, exist_ok=True)
         weights = {k: v.detach().cpu() for k, v in weights.items()}

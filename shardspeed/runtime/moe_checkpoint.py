@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from shardspeed import comm
 from shardspeed.checkpoint.files import EXPERT_MODEL_STATES, EXPERT_OPTIM_STATES
 from shardspeed.checkpoint.reader import load_file
 from shardspeed.moe.autoep.experts import LocalExperts
@@ -183,6 +184,41 @@ def info(engine: DeepSpeedEngine) -> dict[str, Any]:
             {groups._get_expert_parallel_world_size(e.param.group_name) for e in experts}  # type: ignore[attr-defined]
         ),
     }
+
+
+def whole_model_weights(module: nn.Module, weights: dict[str, Any]) -> dict[str, Any]:
+    """``weights`` (this rank's module state) as the ``ep_size=1`` model has it: every expert
+    of every layer under its global name, gathered from the expert-parallel peers (every rank
+    calls it; for ``save_16bit_model``)."""
+    experts = expert_params(module)
+    if not experts:
+        return weights
+    mine: dict[str, tuple[int, Any]] = {}
+    for e in experts:
+        if e.local_name in weights:
+            value = _cut(weights[e.local_name], e.row)
+            key = e.global_name if e.row is None else f"{e.global_name}#{e.expert}"
+            mine[key] = (e.expert, value.detach().cpu())
+    names = {e.param.group_name for e in experts}  # type: ignore[attr-defined]
+    gathered = dict(mine)
+    for name in sorted(names):
+        if groups._get_expert_parallel_world_size(name) == 1:
+            continue
+        peers: list[Any] = [None] * groups._get_expert_parallel_world_size(name)
+        comm.all_gather_object(peers, mine, group=groups._get_expert_parallel_group(name))
+        for part in peers:
+            gathered.update(part)
+    local = {e.local_name for e in experts}
+    whole = {k: v for k, v in weights.items() if k not in local}
+    rows: dict[str, list[tuple[int, Any]]] = {}
+    for key, (expert, value) in gathered.items():
+        if "#" in key:  # a fused parameter's row: stacked in expert order below
+            rows.setdefault(key.split("#", 1)[0], []).append((expert, value))
+        else:
+            whole[key] = value
+    for name, parts in rows.items():
+        whole[name] = torch.stack([value for _, value in sorted(parts, key=lambda p: p[0])])
+    return whole
 
 
 # -- load -------------------------------------------------------------------------------------

@@ -171,6 +171,7 @@ def engine_parity(
         losses.append(global_loss.item())
     if save_dir is not None:
         engine.save_checkpoint(save_dir, tag="t")
+        engine.save_16bit_model(save_dir, "model16.pt")  # every expert, gathered
         if rank == 0:
             state = {"model": reference.state_dict(), "optimizer": ref_opt.state_dict()}
             torch.save(state, f"{save_dir}/reference.pt")

@@ -55,6 +55,11 @@ def test_checkpoint_resumes_at_other_expert_and_data_parallel_sizes(
     assert consolidated.keys() == reference.keys()
     for name, value in reference.items():
         torch.testing.assert_close(consolidated[name], value, rtol=1e-5, atol=2e-5, msg=name)
+    # so does save_16bit_model (the experts gathered from the expert-parallel peers)
+    weights = torch.load(tmp_path / "model16.pt", weights_only=True)
+    assert weights.keys() == reference.keys()
+    for name, value in reference.items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=2e-5, msg=name)
     resume = {"steps": 3, "first_step": 3, "load_dir": save_dir}
     dist_pool(2).run(ep_ranks.engine_parity, 2 - saved_stage // 2, 2, **resume)
     dist_pool(4).run(ep_ranks.engine_parity, saved_stage, 4, **resume)

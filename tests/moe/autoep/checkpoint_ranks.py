@@ -60,6 +60,8 @@ def train_side_by_side(
     if not resume:
         engine.save_checkpoint(f"{folder}/autoep", tag="t")
         ref_engine.save_checkpoint(f"{folder}/plain", tag="t")
+        engine.save_16bit_model(folder, "autoep16.pt")  # the fused rows gathered and stacked
+        ref_engine.save_16bit_model(folder, "plain16.pt")
     engine.destroy()
     ref_engine.destroy()
     return losses

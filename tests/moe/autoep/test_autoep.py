@@ -79,6 +79,11 @@ def test_checkpoint_resumes_at_another_autoep_size(dist_pool, tmp_path):
     assert merged.keys() == plain.keys()
     for name, value in plain.items():
         torch.testing.assert_close(merged[name], value, rtol=1e-5, atol=1e-5, msg=name)
+    whole = torch.load(tmp_path / "autoep16.pt", weights_only=True)
+    expected = torch.load(tmp_path / "plain16.pt", weights_only=True)
+    assert whole.keys() == expected.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(whole[name], value, rtol=1e-5, atol=1e-5, msg=name)
     dist_pool(2).run(checkpoint_ranks.train_side_by_side, folder, 1, 1, 3, 3, True)
     dist_pool(4).run(checkpoint_ranks.train_side_by_side, folder, 2, 4, 3, 3, True)
 
