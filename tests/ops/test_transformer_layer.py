@@ -119,6 +119,20 @@ def test_forward_and_backward_equal_the_reference(pre_layer_norm, checkpoints):
         torch.testing.assert_close(getattr(layer, name).grad, grad, rtol=1e-5, atol=1e-5)
 
 
+def test_half_precision_layer_with_an_fp32_mask():
+    """A layer cast to bf16 (as a model is with ``fp16``/bf16 training) keeps its dtype even
+    with BERT's fp32 extended mask, and stays close to the fp32 layer."""
+    torch.manual_seed(0)
+    layer = DeepSpeedTransformerLayer(_config())
+    x, mask = torch.randn(3, 10, HIDDEN), _bert_mask(3, 10)
+    want = layer(x, mask)
+    out = layer.to(torch.bfloat16)(x.to(torch.bfloat16), mask)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), want, rtol=0.05, atol=0.05)
+    out.float().sum().backward()
+    assert layer.attn_qkvw.grad.dtype == torch.bfloat16
+
+
 def test_parameters_names_shapes_and_initialisation():
     torch.manual_seed(0)
     config = _config(hidden_size=256, heads=8, intermediate_size=-1, num_hidden_layers=8)

@@ -282,7 +282,7 @@ class DeepSpeedTransformerLayer(nn.Module):
         )
         scores = q @ k.transpose(-1, -2) / math.sqrt(hidden // heads)
         if mask is not None:
-            scores = scores + mask
+            scores = scores + mask.to(scores.dtype)  # an fp32 mask must not promote fp16 scores
         if self.config.attn_dropout_checkpoint and self._keeps_graph():
             probs = checkpoint(self._probabilities, scores, use_reentrant=False)
         else:
