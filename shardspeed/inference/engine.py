@@ -164,11 +164,13 @@ def _check_cuda_graph(config: DeepSpeedInferenceConfig, device: torch.device, tp
     if not config.enable_cuda_graph:
         return
     if device.type != "cuda":
-        where = "keep_module_on_host=True keeps it on the host" if device.type == "cpu" else ""
+        why = (
+            " (keep_module_on_host=True keeps it on the host)" if config.keep_module_on_host else ""
+        )
         raise ValueError(
             f"enable_cuda_graph=True captures the decoding step in a CUDA graph, but the model "
-            f"runs on {device.type}{f' ({where})' if where else ''}; CUDA graphs exist only on "
-            "CUDA devices. Set enable_cuda_graph=False, or run on a CUDA device."
+            f"runs on {device.type}{why}; CUDA graphs exist only on CUDA devices. Set "
+            "enable_cuda_graph=False, or run on a CUDA device."
         )
     if tp_size > 1:
         raise ValueError(

@@ -60,8 +60,9 @@ def test_static_step_under_int8():
 def test_cuda_graph_refused_off_cuda():
     if torch.cuda.is_available():
         pytest.skip("the accelerator is CUDA here")
-    with pytest.raises(ValueError, match="CUDA graphs exist only on CUDA devices"):
+    with pytest.raises(ValueError, match="CUDA graphs exist only on CUDA devices") as error:
         models.fused("llama", enable_cuda_graph=True)
+    assert "runs on cpu;" in str(error.value)  # keep_module_on_host is not blamed
     with pytest.raises(ValueError, match="keep_module_on_host=True"):
         models.fused("llama", enable_cuda_graph=True, keep_module_on_host=True)
 
