@@ -15,6 +15,8 @@ round (on a shared machine the minimum is the least disturbed run). Modes:
   Face's recipe), timed after warm-up compilations;
 * ``shardspeed_autotp``: ``init_inference`` without injection (the Hugging Face forward);
 * ``shardspeed_fused``: ``init_inference(replace_with_kernel_inject=True)``;
+* ``shardspeed_fused_compiled``: the same with ``engine.compile()`` (the per-token step, whose
+  shapes never change, compiled once by inductor; the prompt step stays eager);
 * ``shardspeed_fused_tp1_2ranks`` and ``shardspeed_fused_tp2``: 2 gloo ranks (2 processes, one
   thread each) running the fused model whole on each rank side by side (TP 1), and split over
   both (TP 2), timed interleaved in the same rounds; the slower rank's figure of each.
@@ -116,6 +118,13 @@ def _compiled(model: Any) -> Any:
     return model
 
 
+def _fused_compiled(builders: dict[str, Any]) -> Any:
+    """The fused decoder with its per-token step compiled (``engine.compile()``, inductor)."""
+    engine = builders["shardspeed_fused"]()
+    engine.compile()
+    return engine
+
+
 def _single_process(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     import shardspeed
 
@@ -135,6 +144,7 @@ def _single_process(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     }
     if args.compile:
         builders["hf_compiled"] = lambda: _compiled(copy.deepcopy(base))
+        builders["shardspeed_fused_compiled"] = lambda: _fused_compiled(builders)
     return _interleaved({name: build() for name, build in builders.items()}, args)
 
 

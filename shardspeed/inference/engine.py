@@ -9,7 +9,9 @@ step captured in a CUDA graph with ``enable_cuda_graph``.
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -127,6 +129,27 @@ class InferenceEngine(nn.Module):
         if generate is None:
             raise TypeError(f"{type(self.module).__name__} has no generate()")
         return generate(*inputs, **kwargs)
+
+    def compile(
+        self,
+        backend: str | Callable[..., Any] = "inductor",
+        compile_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        """``torch.compile`` the decoding: with fused decoding the per-token step, whose shapes
+        never change (one compilation per batch size and cache, no recompiling as the sequence
+        grows); without it the wrapped model's forward. Call before generating."""
+        options = {"backend": backend, **(compile_kwargs or {})}
+        if self.fused is None:
+            self.module.forward = torch.compile(self.module.forward, **options)
+            return
+        if self.fused.decode_mode == "cuda_graph":
+            raise ValueError(
+                "compile(): enable_cuda_graph already captures the decoding step; use one of the "
+                "two (set enable_cuda_graph=False to compile instead)"
+            )
+        options.setdefault("dynamic", False)
+        self.fused.compiler = functools.partial(torch.compile, **options)
+        self.fused.decode_mode = "compiled"
 
     def profile_model_time(self, use_cuda_events: bool = True) -> None:
         """Record the wall time of every forward from now on (see :meth:`model_times`)."""

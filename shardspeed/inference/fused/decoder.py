@@ -16,7 +16,7 @@ from shardspeed.inference.fused.static_step import StaticDecodeStep
 
 __all__ = ["CacheShape", "DecodeMode", "FusedCausalLM", "Padding"]
 
-DecodeMode = Literal["dynamic", "static", "cuda_graph"]
+DecodeMode = Literal["dynamic", "static", "cuda_graph", "compiled"]
 """How each generated token runs: ``dynamic`` attends over the filled slots only; ``static``
 runs :class:`StaticDecodeStep` eagerly (fixed shapes, the whole cache masked); ``cuda_graph``
 captures that step in a CUDA graph once and replays it per token (``enable_cuda_graph``)."""
@@ -101,6 +101,11 @@ class FusedCausalLM(nn.Module):
         self.rope_tables = rope_tables
         self.dtype = dtype
         self.decode_mode: DecodeMode = "dynamic"
+        #: what compiles the static step in the ``"compiled"`` mode (``torch.compile`` with
+        #: the options of :meth:`InferenceEngine.compile`)
+        self.compiler: Callable[[Callable[[], torch.Tensor]], Callable[[], torch.Tensor]] | None = (
+            None
+        )
         self._cache: StaticKVCache | None = None
         self._static: StaticDecodeStep | None = None
 
@@ -212,9 +217,15 @@ class FusedCausalLM(nn.Module):
         if self.decode_mode == "dynamic":
             return lambda token, slot: self(token[:, None], cache, slot, padding=padding)
         use_graph = self.decode_mode == "cuda_graph"
+        compiler = self.compiler if self.decode_mode == "compiled" else None
         static = self._static
-        if static is None or static.cache is not cache or static.use_graph != use_graph:
-            static = self._static = StaticDecodeStep(self, cache, graph=use_graph)
+        if (
+            static is None
+            or static.cache is not cache
+            or static.use_graph != use_graph
+            or (static.run_step == static._step) != (compiler is None)
+        ):
+            static = self._static = StaticDecodeStep(self, cache, use_graph, compiler)
         static.set_padding(padding)
         return static
 

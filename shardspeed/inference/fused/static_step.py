@@ -1,8 +1,10 @@
 """A decoding step with fixed shapes and addresses, so that it can be captured in a CUDA graph
-(``enable_cuda_graph``) and replayed once per generated token."""
+(``enable_cuda_graph``) and replayed once per generated token, or compiled once by
+``torch.compile`` (:meth:`InferenceEngine.compile`) without ever recompiling."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,10 +30,20 @@ class StaticDecodeStep:
     every later token (the captured kernels read the buffers, so new values need no recapture);
     without, it runs eagerly, the same arithmetic on any device."""
 
-    def __init__(self, model: FusedCausalLM, cache: StaticKVCache, graph: bool) -> None:
+    def __init__(
+        self,
+        model: FusedCausalLM,
+        cache: StaticKVCache,
+        graph: bool,
+        compiler: Callable[[Callable[[], torch.Tensor]], Callable[[], torch.Tensor]] | None = None,
+    ) -> None:
         device = cache.keys[0].device
         batch, capacity = cache.batch, cache.capacity
         self.model, self.cache, self.use_graph = model, cache, graph
+        #: the step as run: compiled by ``compiler`` (e.g. ``torch.compile``) if one is given
+        self.run_step: Callable[[], torch.Tensor] = self._step
+        if compiler is not None:
+            self.run_step = compiler(self._step)
         self.token = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.position = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.slot = torch.zeros(1, dtype=torch.long, device=device)
@@ -64,7 +76,7 @@ class StaticDecodeStep:
         else:
             self.position.copy_(self.padded_positions[:, slot : slot + 1])
         if not self.use_graph:
-            return self._step()
+            return self.run_step()
         if self.graph is None:
             self._capture()
         get_accelerator().replay_graph(self.graph)
