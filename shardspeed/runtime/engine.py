@@ -11,7 +11,7 @@ hooks. It never branches on the ZeRO stage.
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterator
+from collections.abc import Callable, Container, Iterator
 from contextlib import contextmanager
 from types import ModuleType
 from typing import Any, ClassVar
@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from shardspeed.accelerator import get_accelerator
 from shardspeed.config import DeepSpeedConfig
 from shardspeed.runtime import checkpointer
 from shardspeed.runtime.checkpoint_writer import PendingSave
@@ -140,6 +141,33 @@ class DeepSpeedEngine(nn.Module):
             ),
         ):
             return self.module(*inputs, **kwargs)
+
+    def compile(  # type: ignore[override]
+        self,
+        backend: str | Callable[..., Any] | None = None,
+        compile_kwargs: dict[str, Any] | None = None,
+        schedule: Any = None,
+        compiled_autograd_enabled: bool = False,
+    ) -> None:
+        """``torch.compile`` the wrapped model in place (its ``__call__``; the ZeRO hooks stay
+        outside or run as the compiled graph calls them). ``backend`` defaults to the
+        accelerator's (``get_accelerator().get_compile_backend()``)."""
+        if schedule is not None or compiled_autograd_enabled:
+            raise NotImplementedError(
+                "engine.compile(schedule=..., compiled_autograd_enabled=True) belongs to "
+                "DeepSpeed's DeepCompile passes, which shardspeed does not have; call "
+                "engine.compile(backend=..., compile_kwargs=...) without them"
+            )
+        if self.is_compiled:
+            return
+        chosen = backend if backend is not None else get_accelerator().get_compile_backend()
+        self.module.compile(backend=chosen, **(compile_kwargs or {}))
+        self._is_compiled = True
+
+    @property
+    def is_compiled(self) -> bool:
+        """Whether :meth:`compile` has compiled the wrapped model."""
+        return getattr(self, "_is_compiled", False)
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss multiplied by the active loss scale (for a manual ``.backward()``)."""
