@@ -42,6 +42,7 @@ _LAZY: dict[str, str] = {
     "launcher": "shardspeed.launcher",
     "moe": "shardspeed.moe",
     "sequence": "shardspeed.sequence",
+    "elasticity": "shardspeed.elasticity",
 }
 
 __all__ = ["__version__", "__git_hash__", "__git_branch__", "log_dist", "logger", *_LAZY]

@@ -11,12 +11,21 @@ import torch
 from pydantic import PrivateAttr, ValidationError
 
 from shardspeed.config.batch import solve_batch_triangle
+from shardspeed.config.elastic_search import (
+    MINIMUM_DEEPSPEED_VERSION,
+    ElasticityConfigError,
+    compute_elastic_config,
+    ensure_immutable_elastic_config,
+)
 from shardspeed.config.errors import DeepSpeedConfigError, error_from_validation
 from shardspeed.config.loader import ConfigSource, load_config_dict
 from shardspeed.config.monitor import DeepSpeedMonitorConfig
 from shardspeed.config.root import RootConfig
 from shardspeed.config.zero import DeepSpeedZeroConfig
 from shardspeed.utils.logging import logger
+
+#: the top-level keys of the batch triangle
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 __all__ = ["DeepSpeedConfig", "resolve_dp_world_size"]
 
@@ -100,16 +109,33 @@ class DeepSpeedConfig(RootConfig):
         self._dp_world_size = resolve_dp_world_size(
             dp_world_size, mpu, mesh_device, self.sequence_parallel_size
         )
-        if self.elasticity.enabled:
-            logger.warning(
-                "elasticity.enabled is set, but shardspeed does not compute elastic batch "
-                "sizes yet; the top-level batch keys are used as given."
-            )
-        self.set_batch_sizes(
+        batch = (
             self.train_batch_size,
             self.train_micro_batch_size_per_gpu,
             self.gradient_accumulation_steps,
         )
+        if self.elasticity.enabled:
+            batch = self._elastic_batch_sizes(raw)
+        self.set_batch_sizes(*batch)
+
+    def _elastic_batch_sizes(self, raw: dict[str, Any]) -> tuple[int, int, int]:
+        """``elasticity.enabled``: the batch sizes come from the elastic search for this
+        data-parallel size (DeepSpeed's rule: top-level batch keys are an error unless
+        ``ignore_non_elastic_batch_info``, then they are ignored)."""
+        given = [k for k in BATCH_KEYS if raw.get(k) is not None]
+        if given and not self.elasticity.ignore_non_elastic_batch_info:
+            raise ElasticityConfigError(
+                f"{given} are set, but elasticity.enabled computes the batch sizes itself; "
+                "remove them, or set elasticity.ignore_non_elastic_batch_info: true to have "
+                "them ignored"
+            )
+        ensure_immutable_elastic_config(raw["elasticity"])
+        world = self._dp_world_size
+        gpus = (
+            world * self.elasticity.model_parallel_size if self.elasticity.version == 0.2 else world
+        )
+        total, _, micro = compute_elastic_config(raw, MINIMUM_DEEPSPEED_VERSION, world_size=gpus)
+        return int(total), int(micro), int(total) // (int(micro) * world)
 
     def set_batch_sizes(
         self, train_batch_size: int | None, micro_batch: int | None, grad_accum: int | None
