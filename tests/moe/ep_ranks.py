@@ -13,6 +13,7 @@ import shardspeed
 from examples.gpt_model import GPTConfig, synthetic_tokens
 from examples.gpt_moe_model import GPTMoE, MoEConfig, global_expert_name
 from shardspeed.moe.layer import MoE
+from shardspeed.moe.utils import configure_moe_param_groups
 from shardspeed.ops.factory import build_optimizer
 from shardspeed.utils import groups, safe_get_full_grad
 from tests.runtime.parity import OPT_PARAMS, assert_close, reference_backward
@@ -105,6 +106,7 @@ def engine_parity(
     load_dir: str | None = None,
     save_dir: str | None = None,
     config_extra: dict[str, Any] | None = None,
+    moe_param_groups: bool = False,
 ) -> list[float]:
     """Train the GPT-MoE with the engine (``ep_size``, ZeRO ``stage``) and a single-process
     ``ep_size=1`` copy on the whole global batch; assert losses, parameters and (``clip=0``)
@@ -125,7 +127,10 @@ def engine_parity(
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000},
         **(config_extra or {}),
     }
-    engine, *_ = shardspeed.initialize(model=model, config=config)
+    # moe_param_groups: the experts in optimizer groups of their own, as DeepSpeed users build
+    # them (moe.utils.configure_moe_param_groups); the same arithmetic either way
+    params = configure_moe_param_groups(list(model.parameters())) if moe_param_groups else None
+    engine, *_ = shardspeed.initialize(model=model, model_parameters=params, config=config)
     ref_params = dict(reference.named_parameters())
     mapped = _mapped(model, ep_size)
     ref_opt = build_optimizer("AdamW", list(reference.parameters()), OPT_PARAMS)

@@ -98,3 +98,13 @@ def test_zero3_runs_all_experts_local_and_refuses_expert_parallelism(dist_pool):
         pool.run(ep_ranks.stage_losses, 0, 1)[0], rel=1e-5
     )
     assert "stage 0, 1 or 2" in pool.run(ep_ranks.stage3_expert_parallel_refused)[0]
+
+
+def test_expert_optimizer_groups_train_and_resume(dist_pool, tmp_path):
+    """Experts in optimizer groups of their own (configure_moe_param_groups): the same training,
+    and a checkpoint saved at ep 2 (ZeRO 1) resumes at ep 4 (ZeRO 2) with the groups."""
+    pool = dist_pool(4)
+    save = {"steps": 3, "save_dir": str(tmp_path), "moe_param_groups": True}
+    pool.run(ep_ranks.engine_parity, 1, 2, **save)
+    resume = {"steps": 3, "first_step": 3, "load_dir": str(tmp_path), "moe_param_groups": True}
+    pool.run(ep_ranks.engine_parity, 2, 4, **resume)
