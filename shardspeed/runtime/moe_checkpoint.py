@@ -246,12 +246,18 @@ class _Files:
         return content[key]
 
 
+def in_expert_layout(folder: Path, state: dict[str, Any]) -> bool:
+    """Whether tag ``folder`` keeps its experts in files of their own: shardspeed's records it,
+    DeepSpeed's MoE checkpoints are recognised by their expert files."""
+    return bool(state.get(MOE_INFO)) or any(folder.glob(EXPERT_MODEL_STATES.format("*", "*")))
+
+
 def module_state_with_experts(
     engine: DeepSpeedEngine, folder: Path, state: dict[str, Any], allow_unsafe_pickle: bool
 ) -> dict[str, Any]:
     """The checkpoint's module state with this rank's experts added from their files (under
     this model's local names), for a checkpoint in the expert layout; else as saved."""
-    if not state.get(MOE_INFO) or not has_experts(engine.module):
+    if not in_expert_layout(folder, state) or not has_experts(engine.module):
         return state.get("module", state)
     files = _Files(folder, allow_unsafe_pickle)
     module = dict(state["module"])

@@ -265,3 +265,23 @@ def stage3_expert_parallel_refused() -> str:
     except NotImplementedError as error:
         return str(error)
     raise AssertionError("ZeRO-3 with ep_size 2 was accepted")
+
+
+def load_weights_only(folder: str, ep_size: int) -> int:
+    """Load the module weights of ``folder``'s tag ``t`` (optimizer state left out) into a
+    fresh GPT-MoE at ``ep_size``; every parameter must equal the saved reference's. Returns
+    how many parameters were compared."""
+    torch.manual_seed(1)  # other initial weights than the saved model's: loading must set them
+    model = GPTMoE(TINY, MoEConfig(ep_size=ep_size, num_experts=4, k=2))
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": dict(OPT_PARAMS)},
+    }
+    engine, *_ = shardspeed.initialize(model=model, config=config)
+    engine.load_checkpoint(folder, tag="t", load_optimizer_states=False)
+    reference = torch.load(f"{folder}/reference.pt", weights_only=True)["model"]
+    mapped = _mapped(model, ep_size)
+    for local_name, p, ref_name in mapped:
+        assert_close(p.detach(), reference[ref_name], f"{local_name} loaded", 1e-5, 2e-5)
+    engine.destroy()
+    return len(mapped)

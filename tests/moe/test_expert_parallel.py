@@ -108,3 +108,20 @@ def test_expert_optimizer_groups_train_and_resume(dist_pool, tmp_path):
     pool.run(ep_ranks.engine_parity, 1, 2, **save)
     resume = {"steps": 3, "first_step": 3, "load_dir": str(tmp_path), "moe_param_groups": True}
     pool.run(ep_ranks.engine_parity, 2, 4, **resume)
+
+
+def test_deepspeed_moe_layout_loads_its_expert_weights(dist_pool, tmp_path):
+    """DeepSpeed's MoE checkpoints have only the layout: a module state without experts and
+    layer_<L>_expert_<E> files keyed by ep_size=1 names (no shardspeed record, no manifest).
+    Their expert weights are found by the files and load at another ep_size."""
+    dist_pool(4).run(ep_ranks.engine_parity, 0, 2, steps=2, save_dir=str(tmp_path))
+    tag = tmp_path / "t"
+    states = torch.load(tag / "mp_rank_00_model_states.pt", weights_only=True)
+    del states["moe_experts"]  # what shardspeed adds; DeepSpeed's file does not have it
+    assert not any("deepspeed_experts" in name for name in states["module"])
+    torch.save(states, tag / "mp_rank_00_model_states.pt")
+    (tag / "manifest.json").unlink()  # DeepSpeed writes none
+    for name in tag.glob("layer_*_optim_states.pt"):
+        name.unlink()  # nor these
+    compared = dist_pool(2).run(ep_ranks.load_weights_only, str(tmp_path), 2)
+    assert compared[0] > 0
