@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from shardspeed.runtime.zero.init_context import Init
+from shardspeed.runtime.zero.mics_init import MiCS_Init
 from shardspeed.runtime.zero.partition_parameters import (
     GatheredParameters,
     ZeroParamStatus,
@@ -14,6 +15,7 @@ from shardspeed.runtime.zero.tiling import TiledLinear, TiledLinearReturnBias
 __all__ = [
     "GatheredParameters",
     "Init",
+    "MiCS_Init",
     "TiledLinear",
     "TiledLinearReturnBias",
     "ZeroParamStatus",

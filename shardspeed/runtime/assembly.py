@@ -25,6 +25,7 @@ from shardspeed.runtime.precision.loss_scaler import loss_scaler_for_policy
 from shardspeed.runtime.precision.policy import PrecisionPolicy
 from shardspeed.runtime.train_state import TrainState
 from shardspeed.runtime.zero.comm_group import CommGroup
+from shardspeed.runtime.zero.mics import mics_comm
 from shardspeed.runtime.zero.optimizer import ZeroOptimizer
 from shardspeed.runtime.zero.reduce_options import GradReduceOptions
 from shardspeed.runtime.zero.registry import build_strategy
@@ -58,6 +59,14 @@ def strategy_context(
         comm_for = expert_comm_for(
             model, dp, int(zero.stage), bool(config.use_data_before_expert_parallelism)
         )
+    shard_over = None
+    if int(getattr(zero, "mics_shard_size", -1)) > 0 and int(zero.stage) == 3:
+        if comm_for is not None:
+            raise NotImplementedError(
+                "zero_optimization.mics_shard_size (MiCS) with Mixture-of-Experts layers is not "
+                "supported in shardspeed; remove mics_shard_size"
+            )
+        shard_over = mics_comm(dp, int(zero.mics_shard_size))
     return StrategyContext(
         precision=precision,
         reduce=GradReduceOptions(
@@ -74,6 +83,7 @@ def strategy_context(
         allow_untested_optimizer=bool(config.zero_allow_untested_optimizer),
         grad_accum_dtype=config.data_types.grad_accum_dtype,
         comm_for=comm_for,
+        shard_over=shard_over,
     )
 
 

@@ -156,7 +156,7 @@ def _rank_files(
     if shard is not None:
         files[shard] = {
             "optimizer_state_dict": optimizer_state,
-            "dp_world_size": engine.dp_world_size,
+            "dp_world_size": engine.strategy.checkpoint_world_size(),
         }
     # every rank: gathering a partitioned module (stage 3) is a collective
     module_state = engine.strategy.full_state_dict(
@@ -177,7 +177,7 @@ def _rank_files(
         if engine.lr_scheduler is not None
         else None,
         "buffer_names": [name for name, _ in engine.module.named_buffers()],
-        "dp_world_size": engine.dp_world_size,
+        "dp_world_size": engine.strategy.checkpoint_world_size(),
         "zero_stage": engine.zero_optimization_stage(),
         "ds_config": engine.config.raw,
         "ds_version": __version__,

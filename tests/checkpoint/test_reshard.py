@@ -62,14 +62,21 @@ def _train(engine: Any, task: Any, steps: range, gas: int) -> list[float]:
 
 
 def _build(
-    stage: int, bucket: int, seed: int, dtype: str = "fp32", groups: bool = False, **extra: Any
+    stage: int,
+    bucket: int,
+    seed: int,
+    dtype: str = "fp32",
+    groups: bool = False,
+    mics: int = -1,
+    **extra: Any,
 ) -> tuple[Any, Any, int]:
-    """An engine on a tiny GPT; ``groups``: two parameter groups and a frozen embedding."""
+    """An engine on a tiny GPT; ``groups``: two parameter groups and a frozen embedding;
+    ``mics``: MiCS shard groups of that many ranks (stage 3)."""
     gas = GLOBAL_ROWS // (2 * dist.get_world_size())
     torch.manual_seed(0)
     task = make_task("gpt", rows=6 * GLOBAL_ROWS)
     torch.manual_seed(seed)  # the loading job's own initial weights must not matter
-    zero = {"reduce_bucket_size": bucket, **SHARD_ALL}
+    zero = {"reduce_bucket_size": bucket, **SHARD_ALL, "mics_shard_size": mics}
     config = {**_precision(dtype), **extra}
     model = task.build()
     params = param_setup(model, groups=True, freeze=True) if groups else None
@@ -78,9 +85,9 @@ def _build(
 
 
 def save_and_continue(
-    folder: str, stage: int, bucket: int, dtype: str = "fp32", groups: bool = False
+    folder: str, stage: int, bucket: int, dtype: str = "fp32", groups: bool = False, mics: int = -1
 ) -> None:
-    engine, task, gas = _build(stage, bucket, seed=0, dtype=dtype, groups=groups)
+    engine, task, gas = _build(stage, bucket, seed=0, dtype=dtype, groups=groups, mics=mics)
     _train(engine, task, range(3), gas)
     engine.save_checkpoint(folder, tag="mid")
     saved = _full_state(engine)
@@ -100,9 +107,12 @@ def load_and_continue(
     dtype: str = "fp32",
     groups: bool = False,
     universal: bool = False,
+    mics: int = -1,
 ) -> None:
-    extra = {"checkpoint": {"load_universal": True}} if universal else {}
-    engine, task, gas = _build(stage, bucket, seed=123, dtype=dtype, groups=groups, **extra)
+    extra: dict[str, Any] = {"checkpoint": {"load_universal": True}} if universal else {}
+    engine, task, gas = _build(
+        stage, bucket, seed=123, dtype=dtype, groups=groups, mics=mics, **extra
+    )
     # universal: the tag comes from latest_universal
     path, _ = engine.load_checkpoint(folder, tag=None if universal else "mid")
     assert path is not None and engine.global_steps == 3

@@ -16,7 +16,12 @@ from shardspeed.moe.layer import MoE
 from shardspeed.moe.utils import configure_moe_param_groups
 from shardspeed.ops.factory import build_optimizer
 from shardspeed.utils import groups, safe_get_full_grad
-from tests.runtime.parity import OPT_PARAMS, assert_close, reference_backward
+from tests.runtime.parity import (
+    OPT_PARAMS,
+    assert_close,
+    reference_backward,
+    train_global_losses,
+)
 
 HIDDEN, EXPERTS = 8, 4
 TINY = GPTConfig(vocab_size=64, block_size=8, n_layer=4, n_head=2, n_embd=16)  # MoE: 1, 3
@@ -187,7 +192,6 @@ def engine_parity(
 
 def precision_run(dtype: str, ep_size: int, stage: int, steps: int = 6) -> list[float]:
     """Train the GPT-MoE in ``dtype`` (``bf16``/``fp16``) for ``steps``; the global losses."""
-    world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
     model = GPTMoE(TINY, MoEConfig(ep_size=ep_size, num_experts=4, k=2))
     config = {
@@ -198,16 +202,7 @@ def precision_run(dtype: str, ep_size: int, stage: int, steps: int = 6) -> list[
         dtype: {"enabled": True, **({"initial_scale_power": 8} if dtype == "fp16" else {})},
     }
     engine, *_ = shardspeed.initialize(model=model, config=config)
-    x, y = synthetic_tokens(steps * 2 * world, TINY, seed=1).tensors
-    losses = []
-    for step in range(steps):
-        rows = slice((step * world + rank) * 2, (step * world + rank + 1) * 2)
-        loss = engine(x[rows], y[rows])
-        engine.backward(loss)
-        engine.step()
-        total = loss.detach().float()
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
+    losses = train_global_losses(engine, TINY, steps, seed=1)
     engine.destroy()
     return losses
 
@@ -236,7 +231,6 @@ def data_before_expert_parity() -> list[float]:
 
 def stage_losses(stage: int, ep_size: int, steps: int = 4) -> list[float]:
     """The global losses of the GPT-MoE trained at ZeRO ``stage`` (fp32, no clipping)."""
-    world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
     model = GPTMoE(TINY, MoEConfig(ep_size=ep_size, num_experts=4, k=2))
     config = {
@@ -245,16 +239,7 @@ def stage_losses(stage: int, ep_size: int, steps: int = 4) -> list[float]:
         "zero_optimization": {"stage": stage},
     }
     engine, *_ = shardspeed.initialize(model=model, config=config)
-    x, y = synthetic_tokens(steps * 2 * world, TINY, seed=1).tensors
-    losses = []
-    for step in range(steps):
-        rows = slice((step * world + rank) * 2, (step * world + rank + 1) * 2)
-        loss = engine(x[rows], y[rows])
-        engine.backward(loss)
-        engine.step()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
+    losses = train_global_losses(engine, TINY, steps, seed=1)
     engine.destroy()
     return losses
 

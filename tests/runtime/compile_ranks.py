@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 import shardspeed
-from examples.gpt_model import GPT, synthetic_tokens
-from tests.runtime.parity import OPT_PARAMS, TINY_GPT, assert_close
+from examples.gpt_model import GPT
+from tests.runtime.parity import OPT_PARAMS, TINY_GPT, assert_close, train_global_losses
 
 
 def losses(stage: int, backend: str | None, steps: int = 3) -> tuple[list[float], bool]:
     """The GPT trained ``steps`` steps at ZeRO ``stage``, compiled with ``backend`` (None: not)."""
-    world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
     model = GPT(TINY_GPT)
     config = {
@@ -24,14 +22,7 @@ def losses(stage: int, backend: str | None, steps: int = 3) -> tuple[list[float]
     engine, *_ = shardspeed.initialize(model=model, config=config)
     if backend is not None:
         engine.compile(backend=backend)
-    x, y = synthetic_tokens(steps * 2 * world, TINY_GPT, seed=2).tensors
-    out = []
-    for step in range(steps):
-        rows = slice((step * world + rank) * 2, (step * world + rank + 1) * 2)
-        loss = engine(x[rows], y[rows])
-        engine.backward(loss)
-        engine.step()
-        out.append(loss.item())
+    out = train_global_losses(engine, TINY_GPT, steps, seed=2)
     compiled = engine.is_compiled
     engine.destroy()
     return out, compiled

@@ -274,3 +274,20 @@ def run_parity(
         losses.append(global_loss.item())
     engine.destroy()
     return losses
+
+
+def train_global_losses(engine: Any, cfg: GPTConfig, steps: int, seed: int) -> list[float]:
+    """``steps`` optimizer steps of ``engine`` (a GPT of ``cfg``), each rank on its own 2 rows
+    of a synthetic stream; the mean loss over the ranks at each step."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    x, y = synthetic_tokens(steps * 2 * world, cfg, seed=seed).tensors
+    losses = []
+    for step in range(steps):
+        rows = slice((step * world + rank) * 2, (step * world + rank + 1) * 2)
+        loss = engine(x[rows], y[rows])
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().float().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    return losses

@@ -11,6 +11,7 @@ from shardspeed.comm import ProcessGroup
 class CommGroup:
     """``group`` (None: the world), this rank's index in it and its size.
 
+    MiCS shards over a subgroup and replicates the shards over the others (``replicated_over``).
     Mixture of Experts' expert parameters reduce over their expert-data-parallel group, yet each
     expert's gradient already sums the tokens its expert-parallel peers sent it: the average is
     over the whole data-parallel group (``average_over``), and the gradient norm adds the expert
@@ -27,6 +28,9 @@ class CommGroup:
     #: what the parameters reducing over it are ("": the model's dense parameters; an expert
     #: group's name, ``ep_size_<n>``, for Mixture-of-Experts parameters)
     label: str = ""
+    #: MiCS: the ranks holding the same shards in the other shard groups; reduced gradient
+    #: shards are summed over them too (None: the shards exist once)
+    replicated_over: CommGroup | None = None
 
     @property
     def partitioned(self) -> bool:

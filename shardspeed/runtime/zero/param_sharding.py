@@ -95,10 +95,18 @@ class ParamSharding:
     """The gather units of ``module`` and the hooks that gather and release them."""
 
     def __init__(
-        self, module: nn.Module, registry: ParamRegistry, comm: CommGroup, options: ShardingOptions
+        self,
+        module: nn.Module,
+        registry: ParamRegistry,
+        comm: CommGroup,
+        options: ShardingOptions,
+        source: CommGroup | None = None,
     ) -> None:
         self.module = module
         self.comm = comm
+        #: the group the initial weights are broadcast over (MiCS: the world, wider than the
+        #: shard group ``comm``)
+        self.source = source if source is not None else comm
         self.options = options
         self.units = plan_units(module, registry)
         self._in_backward = False
@@ -169,9 +177,9 @@ class ParamSharding:
                 cast = dtype if dtype is not None and param.is_floating_point() else param.dtype
                 param.data = param.data.to(device=device or param.device, dtype=cast)
             unit.flats = pack_flat_shards([r.param for r in unit.records], self.comm)
-            if src is not None and self.comm.partitioned:
+            if src is not None and self.source.partitioned:
                 for flat in unit.flats:
-                    comm.broadcast(flat.full, src=src, group=self.comm.group)
+                    comm.broadcast(flat.full, src=src, group=self.source.group)
                     flat.keep_full_values()
             small = all(r.numel < self.options.param_persistence_threshold for r in unit.records)
             if small and unit.numel <= budget:

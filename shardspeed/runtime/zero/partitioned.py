@@ -76,8 +76,10 @@ class PartitionedStrategy(ZeroStrategy):
         return group
 
     def checkpoint_shard_name(self, dp_rank: int | None = None) -> str | None:
-        rank = self.ctx.data_parallel.rank if dp_rank is None else dp_rank
-        return OPTIM_SHARD.format(rank)
+        shards = self.ctx.default_comm
+        if dp_rank is None and shards.replicated_over is not None and shards.replicated_over.rank:
+            return None  # MiCS: the first shard group's ranks save the (replicated) shards
+        return OPTIM_SHARD.format(shards.rank if dp_rank is None else dp_rank)
 
     def bucket_layout(self) -> list[BucketLayout]:
         """Which parameter (by name) sits where in which bucket: saved with every shard, so the
@@ -107,7 +109,7 @@ class PartitionedStrategy(ZeroStrategy):
         # always rebuilt from the shards, also when nothing changed: one path, and the
         # rebuilt tensors own their memory (the shards may be memory-mapped files)
         assert self.optimizer is not None
-        layout, dp = self.bucket_layout(), self.ctx.data_parallel
+        layout, dp = self.bucket_layout(), self.ctx.default_comm
         resharder = Resharder(load_shard, count, module_state, reference=min(dp.rank, count - 1))
         if not layouts_match(resharder.reference["strategy"], layout, dp.world_size):
             log_dist(

@@ -206,6 +206,9 @@ class PartitionedGroup(ShardGroup):
     def _finish(
         self, bucket: GradBucket, output: torch.Tensor, target: torch.Tensor, overwrite: bool
     ) -> None:
+        replicas = self.comm.replicated_over
+        if replicas is not None:  # MiCS: the same shard's gradients from the other groups
+            comm.all_reduce(output, group=replicas.group)
         if self.post_scale != 1.0:
             output.mul_(self.post_scale)
         if output is not target:

@@ -58,10 +58,10 @@ def check_zero_config(zero: Any) -> None:
             "zero_optimization.zero_hpz_partition_size > 1 (ZeRO++ hierarchical partitioning) "
             "is not yet supported in shardspeed; remove the key or set it to 1"
         )
-    if int(getattr(zero, "mics_shard_size", -1)) > 0:
-        raise NotImplementedError(
-            "zero_optimization.mics_shard_size (MiCS) is not yet supported in shardspeed; "
-            "remove the key or set it to -1"
+    if int(getattr(zero, "mics_shard_size", -1)) > 0 and int(zero.stage) != 3:
+        raise ValueError(
+            f"zero_optimization.mics_shard_size (MiCS) shards parameters, which needs ZeRO stage "
+            f"3 (got stage {int(zero.stage)}); set stage 3 or remove mics_shard_size"
         )
     ParamOffload.from_config(zero).check(int(zero.stage))
     OptimizerOffload.from_config(zero).check(int(zero.stage))

@@ -82,8 +82,9 @@ class ParamPartitionStrategy(PartitionedStrategy):
         self.sharding = ParamSharding(
             module,
             self.registry,
-            ctx.data_parallel,
+            ctx.default_comm,
             ShardingOptions.from_config(ctx.zero_config),
+            source=ctx.data_parallel,
         )
 
     @torch.no_grad()

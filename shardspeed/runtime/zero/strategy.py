@@ -82,9 +82,17 @@ class StrategyContext:
     grad_accum_dtype: torch.dtype | None = None
     #: the ``aio`` section (NVMe swapping)
     aio: Any = None
-    #: the process group a trained parameter reduces over (None: ``data_parallel`` for all);
+    #: the process group a trained parameter reduces over (None: ``shard_over`` for all);
     #: Mixture of Experts puts expert parameters on their expert-data-parallel group
     comm_for: Callable[[ParamRecord], CommGroup] | None = None
+    #: what parameters are sharded and reduced over (None: ``data_parallel``); MiCS's shard
+    #: group, whose shards are replicated over the other groups
+    shard_over: CommGroup | None = None
+
+    @property
+    def default_comm(self) -> CommGroup:
+        """The group parameters reduce over unless ``comm_for`` says otherwise."""
+        return self.shard_over if self.shard_over is not None else self.data_parallel
 
 
 def strategy_of(param: torch.Tensor) -> ZeroStrategy | None:
@@ -147,7 +155,10 @@ class ZeroStrategy:
             self.module.to(self.placement.device)
         by_group: dict[CommGroup, list[torch.Tensor]] = {}
         for record in self.registry.records:
-            by_group.setdefault(self.comm_group_of(record), []).append(record.param)
+            group = self.comm_group_of(record)
+            if group.replicated_over is not None:  # MiCS: every rank starts from rank 0's
+                group = self.ctx.data_parallel
+            by_group.setdefault(group, []).append(record.param)
         by_group.setdefault(self.ctx.data_parallel, []).extend(self.module.buffers())
         for group, tensors in by_group.items():
             if not group.partitioned:
@@ -158,7 +169,7 @@ class ZeroStrategy:
 
     def comm_group_of(self, record: ParamRecord) -> CommGroup:
         """The process group ``record``'s parameter is replicated over and reduces over."""
-        return self.ctx.data_parallel if self.ctx.comm_for is None else self.ctx.comm_for(record)
+        return self.ctx.default_comm if self.ctx.comm_for is None else self.ctx.comm_for(record)
 
     def full_state_dict(
         self, prefix: str = "", keep_vars: bool = False, exclude_frozen_parameters: bool = False
@@ -223,7 +234,7 @@ class ZeroStrategy:
             for index, group in enumerate(optimizer.param_groups)
             for p in group["params"]
         }
-        by_comm: dict[CommGroup, list[ParamRecord]] = {self.ctx.data_parallel: []}
+        by_comm: dict[CommGroup, list[ParamRecord]] = {self.ctx.default_comm: []}
         for record in self.registry.records:
             if record.param.requires_grad and id(record.param) in opt_group:
                 record.opt_group = opt_group[id(record.param)]
@@ -357,6 +368,10 @@ class ZeroStrategy:
         the model states)."""
         del dp_rank
         return None
+
+    def checkpoint_world_size(self) -> int:
+        """How many ranks' optimizer shards a checkpoint holds (MiCS: one shard group's)."""
+        return self.ctx.default_comm.world_size
 
     def dense_group(self) -> ShardGroup:
         """The shard group of the model's dense parameters, whose state the strategy's

@@ -32,7 +32,6 @@ def test_eval_state_dict_and_gathered_parameters(dist_pool):
     ("keys", "named"),
     [
         ({"zero_hpz_partition_size": 2}, "zero_hpz_partition_size"),
-        ({"mics_shard_size": 2}, "mics_shard_size"),
         ({"zero_quantized_weights": True}, "zero_quantized_weights"),
     ],
 )
@@ -46,6 +45,7 @@ def test_features_not_built_yet_are_refused_by_name(keys, named):
     ("stage", "keys", "named"),
     [
         (2, {"offload_param": {"device": "cpu"}}, "offload_param.device.*needs ZeRO stage 3"),
+        (2, {"mics_shard_size": 2}, "mics_shard_size.*needs ZeRO stage 3"),
         (3, {"offload_param": {"device": "nvme"}}, "offload_param.nvme_path is required"),
         (0, {"offload_optimizer": {"device": "cpu"}}, "needs ZeRO stage 1, 2 or 3"),
         (
