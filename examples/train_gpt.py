@@ -7,6 +7,11 @@ newest one from D, which may have been saved by another number of ranks or ZeRO 
 
 shardspeed --num_gpus 2 examples/train_gpt.py --deepspeed_config examples/gpt_config.json --save_dir ckpt
 shardspeed --num_gpus 1 examples/train_gpt.py --deepspeed_config examples/gpt_config.json --save_dir ckpt --resume
+
+With ``--moe_experts N`` every other block's feed-forward is a Mixture of Experts of N experts,
+split over ``--ep_size`` ranks (expert parallelism):
+
+shardspeed --num_gpus 2 examples/train_gpt.py --deepspeed_config examples/gpt_config.json --moe_experts 4 --ep_size 2
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # examples.gpt_moe_model
 
 from gpt_model import GPT, GPTConfig, synthetic_tokens  # noqa: E402
 
@@ -30,6 +36,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--n_layer", type=int, default=2)
     parser.add_argument("--n_embd", type=int, default=64)
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--moe_experts", type=int, default=0, help="MoE feed-forwards (0: none)")
+    parser.add_argument("--ep_size", type=int, default=1, help="ranks the experts are split over")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the launcher")
     parser.add_argument("--save_dir", default=None, help="save a checkpoint here at the end")
     parser.add_argument("--resume", action="store_true", help="first load the newest checkpoint")
@@ -37,11 +45,17 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def _moe_model(cfg: GPTConfig, args: argparse.Namespace) -> torch.nn.Module:
+    from examples.gpt_moe_model import GPTMoE, MoEConfig
+
+    return GPTMoE(cfg, MoEConfig(num_experts=args.moe_experts, ep_size=args.ep_size, k=2))
+
+
 def main() -> None:
     args = parse_args()
     torch.manual_seed(args.seed)
     cfg = GPTConfig(n_layer=args.n_layer, n_embd=args.n_embd)
-    model = GPT(cfg)
+    model = GPT(cfg) if not args.moe_experts else _moe_model(cfg, args)
     engine, _, loader, _ = deepspeed.initialize(
         args=args,
         model=model,

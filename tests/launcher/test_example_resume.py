@@ -58,3 +58,17 @@ def test_save_on_two_ranks_resume_on_one(tmp_path: Path, first: str, second: str
     # the untrained model's (~5.56)
     assert abs(first_after - last) < 0.1 and first_after < 5.5, (last, first_after)
     assert (tmp_path / "latest").read_text() == "global_step10"
+
+
+@pytest.mark.timeout(300)
+def test_moe_example_saves_with_experts_split_and_resumes_on_one_rank(tmp_path: Path) -> None:
+    """The example with MoE feed-forwards, 4 experts split over 2 ranks (ep_size 2), saves in
+    DeepSpeed's expert layout and resumes on 1 rank with every expert local (ep_size 1)."""
+    moe = ("--moe_experts", "4")
+    out = _train(2, "gpt_config.json", tmp_path, *moe, "--ep_size", "2")
+    first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", out).groups())
+    assert (tmp_path / "global_step5" / "layer_0_expert_3_mp_rank_00_model_states.pt").is_file()
+    resumed = _train(1, "gpt_config.json", tmp_path, *moe, "--ep_size", "1", "--resume")
+    first_after = float(re.search(r"step +6 +loss ([\d.]+)", resumed).group(1))
+    # where the first job stopped, below where it started
+    assert abs(first_after - last) < 0.1 and first_after < first, (first, last, first_after)
