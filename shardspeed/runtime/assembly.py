@@ -41,7 +41,7 @@ def data_parallel_group(mpu: Any) -> tuple[CommGroup, Any]:
     else:
         topology = comm.Topology(axes={"data": comm.get_world_size()})
         group = topology.get_group("data")
-    return CommGroup(group, comm.get_rank(group), comm.get_world_size(group)), topology
+    return CommGroup.of(group), topology
 
 
 def strategy_context(

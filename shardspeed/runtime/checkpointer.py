@@ -164,9 +164,9 @@ def _rank_files(
     )
     moe: dict[str, Any] = {}
     if moe_checkpoint.has_experts(engine.module):  # experts go to files of their own
-        module_state, expert_files = moe_checkpoint.split_module_state(engine, module_state)
+        module_state, expert_files, info = moe_checkpoint.split_module_state(engine, module_state)
         files.update(expert_files)
-        moe[moe_checkpoint.MOE_INFO] = moe_checkpoint.info(engine)
+        moe[moe_checkpoint.MOE_INFO] = info
     if not commits:
         return files
     files[MODEL_STATES] = {

@@ -123,6 +123,7 @@ class DeepSpeedEngine(nn.Module):
         self.observability = parts.observability
         self.observability.attach_engine(self)
         self._no_sync = False
+        self._is_compiled = False
         self._coalescing = False
         self._boundary_override: bool | None = None
         #: a checkpoint being written in the background (``checkpoint.writer.decoupled``)
@@ -167,7 +168,7 @@ class DeepSpeedEngine(nn.Module):
     @property
     def is_compiled(self) -> bool:
         """Whether :meth:`compile` has compiled the wrapped model."""
-        return getattr(self, "_is_compiled", False)
+        return self._is_compiled
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss multiplied by the active loss scale (for a manual ``.backward()``)."""

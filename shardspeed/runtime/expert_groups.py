@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
 
 from torch import nn
 
@@ -24,10 +23,6 @@ from shardspeed.moe.utils import is_moe_param
 from shardspeed.runtime.zero.comm_group import CommGroup
 from shardspeed.runtime.zero.records import ParamRecord
 from shardspeed.utils import groups
-
-
-def _comm_group(group: Any) -> CommGroup:
-    return CommGroup(group, comm.get_rank(group), comm.get_world_size(group))
 
 
 def expert_comm_for(
@@ -59,12 +54,10 @@ def expert_comm_for(
                 f"(here {dp.world_size} of {comm.get_world_size()} ranks: pipeline or model "
                 "parallelism is in use); use ep_size=1"
             )
-        by_name[name] = CommGroup(
-            groups._get_expert_data_parallel_group(name),
-            groups._get_expert_data_parallel_rank(name),
-            groups._get_expert_data_parallel_world_size(name),
+        by_name[name] = dataclasses.replace(
+            CommGroup.of(groups._get_expert_data_parallel_group(name)),
             average_over=dp.world_size,
-            spread_over=_comm_group(groups._get_expert_parallel_group(name)),
+            spread_over=CommGroup.of(groups._get_expert_parallel_group(name)),
             label=name,
         )
 

@@ -124,9 +124,10 @@ def _cut(value: Any, row: int | None) -> Any:
 # -- save -------------------------------------------------------------------------------------
 def split_module_state(
     engine: DeepSpeedEngine, module_state: dict[str, Any]
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(the module state without experts, this rank's expert files). Collective over the
-    expert-data-parallel groups when the optimizer state is partitioned (every rank calls it)."""
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """(the module state without experts, this rank's expert files, what the model-states file
+    records about the experts). Collective over the expert-data-parallel groups when the
+    optimizer state is partitioned (every rank calls it)."""
     experts = expert_params(engine.module)
     local = {e.local_name for e in experts}
     dense = {k: v for k, v in module_state.items() if k not in local}
@@ -147,7 +148,7 @@ def split_module_state(
                         for k, v in saved["state"].items()
                     },
                 }
-    return dense, files
+    return dense, files, _info(experts)
 
 
 def _whole_states(engine: DeepSpeedEngine, experts: list[ExpertParam]) -> list[Any]:
@@ -174,9 +175,8 @@ def _whole_states(engine: DeepSpeedEngine, experts: list[ExpertParam]) -> list[A
     return out
 
 
-def info(engine: DeepSpeedEngine) -> dict[str, Any]:
+def _info(experts: list[ExpertParam]) -> dict[str, Any]:
     """What the model-states file records about the experts."""
-    experts = expert_params(engine.module)
     layers = sorted({e.layer for e in experts})
     return {
         "layers": len(layers),

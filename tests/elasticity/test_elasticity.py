@@ -56,9 +56,13 @@ def test_world_size_gives_the_largest_fitting_micro_batch():
         compute_elastic_config(BASE, "0.16.0", world_size=33)
 
 
-def test_prefer_smaller_batch():
-    batch, _ = compute_elastic_config(_config(prefer_larger_batch=False), "0.16.0")
-    assert batch <= 9792
+def test_prefer_larger_or_smaller_batch_breaks_ties():
+    """Micro-batches 2 and 3 up to 20: candidates 12 and 18 both split over 5 GPU counts; the
+    preference picks between them."""
+    small = {"max_train_batch_size": 20, "micro_batch_sizes": [2, 3], "min_gpus": 1, "max_gpus": 20}
+    assert compute_elastic_config(_config(**small), "0.16.0") == (18, [1, 2, 3, 6, 9])
+    smaller = _config(**small, prefer_larger_batch=False)
+    assert compute_elastic_config(smaller, "0.16.0") == (12, [1, 2, 3, 4, 6])
 
 
 def test_refusals():

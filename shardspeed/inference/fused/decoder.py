@@ -223,7 +223,7 @@ class FusedCausalLM(nn.Module):
             static is None
             or static.cache is not cache
             or static.use_graph != use_graph
-            or (static.run_step == static._step) != (compiler is None)
+            or static.compiled != (compiler is not None)
         ):
             static = self._static = StaticDecodeStep(self, cache, use_graph, compiler)
         static.set_padding(padding)

@@ -41,9 +41,10 @@ class StaticDecodeStep:
         batch, capacity = cache.batch, cache.capacity
         self.model, self.cache, self.use_graph = model, cache, graph
         #: the step as run: compiled by ``compiler`` (e.g. ``torch.compile``) if one is given
-        self.run_step: Callable[[], torch.Tensor] = self._step
-        if compiler is not None:
-            self.run_step = compiler(self._step)
+        self.compiled = compiler is not None
+        self.run_step: Callable[[], torch.Tensor] = (
+            self._step if compiler is None else compiler(self._step)
+        )
         self.token = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.position = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.slot = torch.zeros(1, dtype=torch.long, device=device)

@@ -49,6 +49,13 @@ class CommGroup:
         return self.world_size if self.average_over is None else self.average_over
 
     @classmethod
+    def of(cls, group: ProcessGroup | None) -> CommGroup:
+        """``group`` (None: the world) with this rank's place in it."""
+        from shardspeed import comm
+
+        return cls(group, comm.get_rank(group), comm.get_world_size(group))
+
+    @classmethod
     def single(cls) -> CommGroup:
         """One rank alone (no collectives)."""
         return cls(group=None, rank=0, world_size=1)

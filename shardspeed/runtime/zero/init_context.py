@@ -202,7 +202,7 @@ class Init:
         group = data_parallel_group
         if group is None and mpu is not None:
             group = mpu.get_data_parallel_group()
-        self.comm = CommGroup(group, comm.get_rank(group), comm.get_world_size(group))
+        self.comm = CommGroup.of(group)
         if module is not None:
             for sub in module.modules():
                 self.partition_module(sub)

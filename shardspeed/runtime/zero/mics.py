@@ -9,6 +9,8 @@ groups: a reduce-scatter inside the group, then an all-reduce of each shard over
 
 from __future__ import annotations
 
+import dataclasses
+
 from shardspeed import comm
 from shardspeed.runtime.zero.comm_group import CommGroup
 
@@ -24,11 +26,6 @@ def _grid(shard_size: int) -> comm.Topology:
             axes={"mics_replica": world // shard_size, "mics_shard": shard_size}
         )
     return _GRIDS[key]
-
-
-def _group(topology: comm.Topology, axis: str) -> CommGroup:
-    group = topology.get_group(axis)
-    return CommGroup(group, topology.get_rank(axis), topology.get_world_size(axis))
 
 
 def mics_comm(data_parallel: CommGroup, shard_size: int) -> CommGroup:
@@ -47,14 +44,10 @@ def mics_comm(data_parallel: CommGroup, shard_size: int) -> CommGroup:
             f"({world}); choose one of {[d for d in range(1, world + 1) if world % d == 0]}"
         )
     grid = _grid(shard_size)
-    shards = _group(grid, "mics_shard")
-    replicas = _group(grid, "mics_replica")
-    return CommGroup(
-        shards.group,
-        shards.rank,
-        shards.world_size,
-        average_over=world,
-        replicated_over=replicas if replicas.partitioned else None,
+    shards = CommGroup.of(grid.get_group("mics_shard"))
+    replicas = CommGroup.of(grid.get_group("mics_replica"))
+    return dataclasses.replace(
+        shards, average_over=world, replicated_over=replicas if replicas.partitioned else None
     )
 
 

@@ -155,10 +155,7 @@ class ZeroStrategy:
             self.module.to(self.placement.device)
         by_group: dict[CommGroup, list[torch.Tensor]] = {}
         for record in self.registry.records:
-            group = self.comm_group_of(record)
-            if group.replicated_over is not None:  # MiCS: every rank starts from rank 0's
-                group = self.ctx.data_parallel
-            by_group.setdefault(group, []).append(record.param)
+            by_group.setdefault(self.comm_group_of(record), []).append(record.param)
         by_group.setdefault(self.ctx.data_parallel, []).extend(self.module.buffers())
         for group, tensors in by_group.items():
             if not group.partitioned:
