@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The GPU check: one prepared run of at most 8 minutes on one CUDA device, for whoever is lent a
+# GPU. Prepare here (`bash scripts/gpu_wheels.sh`), then on the device:
+#     bash scripts/gpu_check.sh          (with .gpu_wheels carried along)
+# It runs the CUDA tests, one bf16 training run per ZeRO stage at world size 1 (NCCL) with CPU
+# and NVMe offload, fused decoding with and without CUDA graphs, and benchmarks/bench_gpu.py's
+# figures (tokens/s, MFU, peak memory against plain PyTorch / Hugging Face eager). Each part has
+# its own time limit; a failing part does not stop the others. Everything lands in $OUT (or a
+# temporary folder): gpu_summary.md (one line a part), bench_gpu.json and a log per part.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$(mktemp -d)}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+summary="$OUT/gpu_summary.md"
+started=$(date +%s)
+
+part() {  # part NAME SECONDS COMMAND...: run with a limit, log it, add a summary line
+  local name=$1 limit=$2 begin rc
+  shift 2
+  begin=$(date +%s)
+  timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+  rc=$?
+  echo "| $name | exit $rc | $(($(date +%s) - begin)) s | $(tail -n 1 "$OUT/$name.log" | cut -c1-160) |" >>"$summary"
+}
+
+{
+  echo "# shardspeed GPU check $(date -u +%FT%TZ) on $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -2
+  python -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.is_available())"
+  echo
+  echo "| part | status | time | last line |"
+  echo "|---|---|---|---|"
+} >"$summary"
+
+# shardspeed's own dependencies the device may lack, from the carried wheelhouse (no network)
+missing=$(python - <<'PY'
+import importlib.util
+names = {"pydantic": "pydantic>=2", "hjson": "hjson", "pytest": "pytest", "pytest_timeout": "pytest-timeout"}
+print(" ".join(spec for mod, spec in names.items() if importlib.util.find_spec(mod) is None))
+PY
+)
+if [ -n "$missing" ]; then
+  part install 120 python -m pip install --no-index --find-links .gpu_wheels $missing
+fi
+part import 60 python -c "import shardspeed, shardspeed.runtime.engine; from shardspeed.accelerator import get_accelerator; print('shardspeed', shardspeed.__version__, 'accelerator', get_accelerator().device_name())"
+
+# the tests that skip without CUDA, and the ones that touch the accelerator
+part cuda_tests 150 python -m pytest -q -p no:cacheprovider --timeout 120 \
+  tests/accelerator tests/runtime/precision/test_overflow.py tests/ops/test_optimizers.py \
+  tests/inference/test_cuda_graph.py tests/compat/test_op_builder.py
+
+# training per stage (bf16, world 1, NCCL) with CPU/NVMe offload, then decoding; figures as JSON
+# (GPU_CHECK_BENCH_ARGS=--tiny tries the script on a CPU machine in seconds)
+nvme="${NVME_DIR:-/tmp}"
+extra=${GPU_CHECK_BENCH_ARGS:-}
+part bench_train 210 python benchmarks/bench_gpu.py --only train --nvme_dir "$nvme" $extra
+part bench_decode 90 python benchmarks/bench_gpu.py --only decode $extra
+for what in train decode; do
+  tail -n 1 "$OUT/bench_$what.log" >"$OUT/bench_$what.json"
+done
+
+echo >>"$summary"
+echo "total $(($(date +%s) - started)) s; figures in bench_train.json / bench_decode.json" >>"$summary"
+cat "$summary"

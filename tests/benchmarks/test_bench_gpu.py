@@ -1,0 +1,37 @@
+"""benchmarks/bench_gpu.py (what scripts/gpu_check.sh runs on a lent GPU) at tiny sizes on CPU:
+one JSON line with every mode, each ZeRO stage's loss curve on the plain-PyTorch peer's (same
+seed and batches, bf16), and fused decoding giving eager's greedy tokens."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.timeout(240)
+def test_tiny_run_reports_every_mode() -> None:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_gpu.py"), "--tiny"],
+        capture_output=True,
+        text=True,
+        timeout=220,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    train = out["train"]
+    modes = ["stage0", "stage1", "stage2", "stage3", "stage2_offload_cpu", "stage3_offload_nvme"]
+    for mode in ["torch_bf16_autocast", *modes]:
+        figures = train[mode]
+        assert figures["step_s"] > 0 and figures["tokens_per_s"] > 0, mode
+        # bf16 weights and fp32 master copies track bf16 autocast over fp32 weights
+        assert figures["max_loss_diff_vs_torch"] < 5e-3, (mode, figures)
+    decode = out["decode"]
+    assert decode["fused"]["tokens_equal_eager"] == 1.0
+    assert decode["fused"]["decode_ms_per_token"] > 0
