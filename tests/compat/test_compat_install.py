@@ -1,6 +1,8 @@
 """Installing and uninstalling the ``deepspeed`` compatibility package in a fresh venv.
 
-The venv sees the system's torch and shardspeed (``--system-site-packages``) and the package is
+The venv sees the running interpreter's packages (torch, shardspeed) through a ``.pth`` file that
+adds this environment's site-packages, whether that environment is the system Python or itself a
+venv (``--system-site-packages`` would see only the base interpreter's), and the package is
 installed offline (``--no-build-isolation --no-deps``) from a copy of ``compat/deepspeed``.
 """
 
@@ -9,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import site
 import subprocess
 import sys
 from pathlib import Path
@@ -45,6 +48,19 @@ def _run(*args: str | Path, cwd: Path, env: dict[str, str] | None = None) -> str
     return done.stdout
 
 
+def _make_venv(venv: Path) -> Path:
+    """A venv without pip whose Python also sees this environment's site-packages (after its own)."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60)
+    python = venv / "bin" / "python"
+    own = _run(python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))", cwd=venv)
+    parents = [d for d in site.getsitepackages() if Path(d).is_dir()]
+    # addsitedir (not a bare path line) so the parent's own .pth files, such as an editable
+    # install's finder, are processed too.
+    lines = [f"import site; site.addsitedir({d!r})" for d in parents]
+    (Path(own.strip()) / "parent_env.pth").write_text("\n".join(lines) + "\n")
+    return python
+
+
 def _answer(python: Path, cwd: Path) -> dict:
     report = json.loads(_run(python, "-m", "shardspeed.env_report", "--json", cwd=cwd))
     return report["deepspeed_import"]
@@ -55,12 +71,7 @@ def test_install_then_uninstall(tmp_path: Path) -> None:
     if subprocess.run([sys.executable, "-m", "pip", "--version"], capture_output=True).returncode:
         pytest.skip("pip is not available to this Python")
     venv = tmp_path / "venv"
-    subprocess.run(
-        [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
-        check=True,
-        timeout=60,
-    )
-    python, bindir = venv / "bin" / "python", venv / "bin"
+    python, bindir = _make_venv(venv), venv / "bin"
     work = tmp_path / "work"  # not the repository: nothing there shadows an installed package
     work.mkdir()
     assert _answer(python, work)["answer"] == "none"

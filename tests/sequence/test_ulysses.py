@@ -3,7 +3,10 @@ over the whole sequence in one process."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
+import torch
 
 import shardspeed
 from tests.sequence import ulysses_ranks
@@ -21,5 +24,20 @@ def test_heads_not_divisible_are_refused(dist_pool):
     assert "divisible by the sequence-parallel size 2" in message
 
 
-def test_public_path():
-    assert shardspeed.sequence.layer.DistributedAttention is not None
+def test_public_path_and_signature():
+    """DeepSpeed's path and constructor: the class the rank tests exercise, with DeepSpeed's
+    parameter names and defaults (scatter heads, dim 2; gather sequence, dim 0)."""
+    cls = shardspeed.sequence.layer.DistributedAttention
+    assert cls is ulysses_ranks.DistributedAttention
+    params = inspect.signature(cls.__init__).parameters
+    assert list(params) == [
+        "self",
+        "local_attention",
+        "sequence_process_group",
+        "scatter_idx",
+        "gather_idx",
+        "sp_stream",
+    ]
+    assert (params["scatter_idx"].default, params["gather_idx"].default) == (2, 0)
+    layer = cls(torch.nn.Identity(), None)
+    assert isinstance(layer, torch.nn.Module) and isinstance(layer.local_attn, torch.nn.Identity)
