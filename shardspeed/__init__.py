@@ -10,7 +10,14 @@ import importlib
 from typing import Any
 
 from shardspeed.utils.logging import log_dist, logger
-from shardspeed.version import __git_branch__, __git_hash__, __version__
+from shardspeed.version import (
+    __git_branch__,
+    __git_hash__,
+    __version__,
+    __version_major__,
+    __version_minor__,
+    __version_patch__,
+)
 
 # public name -> module that defines it
 _LAZY: dict[str, str] = {
@@ -30,6 +37,7 @@ _LAZY: dict[str, str] = {
     "comm": "shardspeed.comm",
     "checkpointing": "shardspeed.checkpointing",
     "accelerator": "shardspeed.accelerator",
+    "get_accelerator": "shardspeed.accelerator",
     "ops": "shardspeed.ops",
     "runtime": "shardspeed.runtime",
     "utils": "shardspeed.utils",
@@ -45,7 +53,17 @@ _LAZY: dict[str, str] = {
     "elasticity": "shardspeed.elasticity",
 }
 
-__all__ = ["__version__", "__git_hash__", "__git_branch__", "log_dist", "logger", *_LAZY]
+__all__ = [
+    "__version__",
+    "__version_major__",
+    "__version_minor__",
+    "__version_patch__",
+    "__git_hash__",
+    "__git_branch__",
+    "log_dist",
+    "logger",
+    *_LAZY,
+]
 
 
 def __getattr__(name: str) -> Any:

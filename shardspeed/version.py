@@ -4,6 +4,11 @@
 editable install from a clone), straight from the ``.git`` files (no ``git`` process, no
 imports beyond the standard library); an installed wheel has no checkout and says
 ``"unknown"``.
+
+``__version_major__`` / ``__version_minor__`` / ``__version_patch__`` are DeepSpeed's integer
+version parts. They describe the DeepSpeed API level shardspeed stands in for
+(:data:`DEEPSPEED_API_VERSION`, the public part of the version the ``deepspeed`` compatibility
+package reports), not shardspeed's own release: callers compare them against DeepSpeed releases.
 """
 
 from __future__ import annotations
@@ -11,6 +16,18 @@ from __future__ import annotations
 from pathlib import Path
 
 __version__ = "0.1.0"
+
+DEEPSPEED_API_VERSION = "0.16.0"
+"""The DeepSpeed release whose API shardspeed (and its compatibility package) stands in for."""
+
+
+def _int_parts(version: str) -> tuple[int, int, int]:
+    """``"0.16.0"`` -> ``(0, 16, 0)`` (DeepSpeed parses its version into three ints too)."""
+    major, minor, patch = (int(part) for part in version.split("+")[0].split(".")[:3])
+    return major, minor, patch
+
+
+__version_major__, __version_minor__, __version_patch__ = _int_parts(DEEPSPEED_API_VERSION)
 
 _UNKNOWN = ("unknown", "unknown")
 

@@ -6,15 +6,22 @@
 The output holds ``zero/<parameter name>/fp32.pt`` (the full fp32 master), one file per
 optimizer state of the parameter (``exp_avg.pt``, ``exp_avg_sq.pt``, ``step.pt``, ...), each a
 ``{"param": tensor}`` dict in the parameter's shape, and the model-states file with
-:data:`~shardspeed.checkpoint.UNIVERSAL_CHECKPOINT_INFO` added (parameter groups, which group
-each parameter is in, the loss scaler). ``latest_universal`` beside the output folder names it, and
+:data:`~shardspeed.checkpoint.sources.UNIVERSAL_LAYOUT` added (parameter groups, which group
+each parameter is in, the loss scaler); the ``zero/`` folder is what marks the output as
+universal, as in DeepSpeed's layout (a ``universal_checkpoint_info`` entry of the source's
+client state is kept as it was). ``latest_universal`` beside the output folder names it, and
 ``"checkpoint": {"load_universal": true}`` makes ``load_checkpoint`` read that tag. Nothing in it
 depends on the data-parallel size, bucket size or ZeRO stage of either job.
 
 The converter reads its input through the safe reader (no pickled code runs;
 ``--allow_unsafe_pickle`` for a trusted legacy input) after checking it against its manifest, and
 writes its output like a save: into a staging folder, each file durably, a manifest last, then
-renamed into place (:mod:`shardspeed.checkpoint.commit`).
+renamed into place (:mod:`shardspeed.checkpoint.commit`). It runs in the calling process
+alone (no collective), so one rank may call it while the others wait for it.
+
+From Python, ``main(args)`` takes DeepSpeed's argument namespace (``input_folder``,
+``output_folder``, ``num_extract_workers``, ...; the ones shardspeed has no use for are
+ignored) or a list of command-line arguments.
 
 shardspeed's own checkpoints already load under another world size or stage (each rank
 re-partitions the shards): the universal form is for tools that want each parameter whole.
@@ -23,21 +30,18 @@ re-partitions the shards): the universal form is for tools that want each parame
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from shardspeed.checkpoint import durable
 from shardspeed.checkpoint.commit import clear_staging, commit, open_staging
 from shardspeed.checkpoint.file_writer import save_file
-from shardspeed.checkpoint.files import (
-    LATEST_UNIVERSAL,
-    MODEL_STATES,
-    UNIVERSAL_CHECKPOINT_INFO,
-    UNIVERSAL_MASTER,
-)
+from shardspeed.checkpoint.files import LATEST_UNIVERSAL, MODEL_STATES, UNIVERSAL_MASTER
 from shardspeed.checkpoint.layout import param_bucket
 from shardspeed.checkpoint.manifest import FileRecord, check_tag
 from shardspeed.checkpoint.reshard import Resharder, replicated_from_shard
-from shardspeed.checkpoint.sources import read_model_states, saved_shards
+from shardspeed.checkpoint.sources import UNIVERSAL_LAYOUT, read_model_states, saved_shards
 
 
 def convert(
@@ -80,28 +84,55 @@ def convert(
         "loss_scaler": state["loss_scaler"],
         "source": {"zero_stage": model.get("zero_stage"), "dp_world_size": shards[1]},
     }
-    universal_model = {**model, "optimizer": None, UNIVERSAL_CHECKPOINT_INFO: info}
+    universal_model = {**model, "optimizer": None, UNIVERSAL_LAYOUT: info}
     records.append(save_file(universal_model, staging, MODEL_STATES))
     commit(str(out.parent), out.name, records, save_latest=False)
     durable.write_text(out.parent / LATEST_UNIVERSAL, out.name)
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(args: argparse.Namespace | Sequence[str] | None = None) -> None:
+    """Convert as the command line says: ``args`` is DeepSpeed's argument namespace (any
+    object with ``input_folder`` and ``output_folder`` attributes) or a list of command-line
+    arguments (None: ``sys.argv``)."""
+    if args is None or isinstance(args, (list, tuple)):
+        options = _parser().parse_args(None if args is None else list(args))
+    else:
+        options = _from_namespace(args)
+    out = convert(options.input_folder, options.output_folder, options.allow_unsafe_pickle)
+    print(f"wrote {out}")
+
+
+def _from_namespace(args: Any) -> argparse.Namespace:
+    missing = [key for key in ("input_folder", "output_folder") if getattr(args, key, None) is None]
+    if missing:
+        raise ValueError(
+            f"ds_to_universal.main(args): args has no {' or '.join(missing)}; give it "
+            "input_folder (a checkpoint tag folder) and output_folder (where to write)"
+        )
+    return argparse.Namespace(
+        input_folder=args.input_folder,
+        output_folder=args.output_folder,
+        allow_unsafe_pickle=bool(getattr(args, "allow_unsafe_pickle", False)),
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--input_folder", required=True, help="a checkpoint tag folder")
     parser.add_argument("--output_folder", required=True, help="where to write the universal form")
     # DeepSpeed's parallelism knobs for its converter; one process does it here
     parser.add_argument("--num_extract_workers", type=int, default=1, help="accepted, unused")
     parser.add_argument("--num_merge_workers", type=int, default=1, help="accepted, unused")
+    parser.add_argument("--keep_temp_folder", action="store_true", help="accepted, unused")
+    parser.add_argument("--no_strict", dest="strict", action="store_false", help="accepted, unused")
+    parser.add_argument("--inject_missing_state", action="store_true", help="accepted, unused")
     parser.add_argument(
         "--allow_unsafe_pickle",
         action="store_true",
         help="read the input with full pickle (only for a trusted legacy checkpoint)",
     )
-    args = parser.parse_args(argv)
-    out = convert(args.input_folder, args.output_folder, args.allow_unsafe_pickle)
-    print(f"wrote {out}")
+    return parser
 
 
 if __name__ == "__main__":

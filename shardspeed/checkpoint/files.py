@@ -1,7 +1,9 @@
 """Where a checkpoint's parts lie on disk: DeepSpeed's file and folder names, and finding a tag.
 
 ``save_dir/<tag>/`` holds the model-states file (:data:`MODEL_STATES`) and, where the optimizer
-state is partitioned, one optimizer shard per data-parallel rank (:data:`OPTIM_SHARD`);
+state is partitioned, one optimizer shard per data-parallel rank (:data:`OPTIM_SHARD`), at stage 3
+with a model-states file per rank beside it (:data:`ZERO3_MODEL_STATES`, DeepSpeed's names, which
+the helpers of DeepSpeed's ``zero_to_fp32`` find: :func:`get_model_state_file`);
 ``save_dir/latest`` names the newest tag and ``save_dir/latest_universal`` the newest universal
 one. A save writes a tag into :func:`staging_folder` and renames it into place when complete
 (:mod:`.commit`). Standard library only: this module is part of the standalone
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from pathlib import Path
 
 #: the model-states file of a tag: module weights, counters, client state (and stage 0's
@@ -20,7 +23,9 @@ MODEL_STATES = "mp_rank_00_model_states.pt"
 #: one data-parallel rank's optimizer shard (stages 1/2), by rank
 OPTIM_SHARD = "zero_pp_rank_{}_mp_rank_00_optim_states.pt"
 #: DeepSpeed's ZeRO-3 writes a model-states file per data-parallel rank, by rank, and no
-#: :data:`MODEL_STATES` (their module tensors are empty: the weights are in the optimizer shards)
+#: :data:`MODEL_STATES` (their module tensors are empty: the weights are in the optimizer shards).
+#: shardspeed's stage 3 writes them too, beside its :data:`MODEL_STATES` (counters, config and
+#: client state, the module's buffers only), for the tools that read DeepSpeed's names
 ZERO3_MODEL_STATES = "zero_pp_rank_{}_mp_rank_00_model_states.pt"
 #: one expert's weights (Mixture of Experts), by MoE layer and global expert index: DeepSpeed's
 #: name; the module weights in :data:`MODEL_STATES` leave the experts out
@@ -35,6 +40,57 @@ LATEST_UNIVERSAL = "latest_universal"
 UNIVERSAL_MASTER = "fp32"
 #: the model-states key a universal checkpoint (:mod:`.ds_to_universal`) adds
 UNIVERSAL_CHECKPOINT_INFO = "universal_checkpoint_info"
+
+
+def zero3_model_states_name(optimizer_shard: str) -> str:
+    """The :data:`ZERO3_MODEL_STATES` name of the data-parallel rank whose optimizer shard is
+    named ``optimizer_shard`` (:data:`OPTIM_SHARD`)."""
+    pattern = re.escape(OPTIM_SHARD).replace(re.escape("{}"), r"(\d+)")
+    rank = re.fullmatch(pattern, optimizer_shard)
+    if rank is None:
+        raise ValueError(f"{optimizer_shard!r} is not a ZeRO optimizer shard name")
+    return ZERO3_MODEL_STATES.format(rank.group(1))
+
+
+def _natural_key(name: str) -> list[int | str]:
+    """Sort key putting ``rank_2`` before ``rank_10`` (digit runs compare as numbers)."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def get_checkpoint_files(checkpoint_dir: str | os.PathLike[str], glob_pattern: str) -> list[str]:
+    """The files of tag folder ``checkpoint_dir`` matching ``glob_pattern``, in natural order
+    (DeepSpeed's ``zero_to_fp32`` helper); FileNotFoundError when there are none."""
+    found = sorted((str(p) for p in Path(checkpoint_dir).glob(glob_pattern)), key=_natural_key)
+    if not found:
+        raise FileNotFoundError(f"can't find {glob_pattern} files in directory '{checkpoint_dir}'")
+    return found
+
+
+def get_optim_files(checkpoint_dir: str | os.PathLike[str]) -> list[str]:
+    """Every optimizer-states file of tag folder ``checkpoint_dir``, in rank order."""
+    return get_checkpoint_files(checkpoint_dir, "*_optim_states.pt")
+
+
+def get_model_state_files(checkpoint_dir: str | os.PathLike[str]) -> list[str]:
+    """Every model-states file of tag folder ``checkpoint_dir``, in natural order."""
+    return get_checkpoint_files(checkpoint_dir, "*_model_states.pt")
+
+
+def get_model_state_file(checkpoint_dir: str | os.PathLike[str], zero_stage: int) -> str:
+    """The model-states file of tag folder ``checkpoint_dir`` saved at ZeRO stage
+    ``zero_stage``, as DeepSpeed names it: :data:`MODEL_STATES` for stages 0-2, rank 0's
+    :data:`ZERO3_MODEL_STATES` for stage 3 (or :data:`MODEL_STATES` in a stage 3 tag written
+    before shardspeed wrote the per-rank files). FileNotFoundError when it is missing."""
+    folder = Path(checkpoint_dir)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"Directory '{checkpoint_dir}' doesn't exist")
+    path = folder / MODEL_STATES
+    if int(zero_stage) == 3:
+        zero3 = folder / ZERO3_MODEL_STATES.format(0)
+        path = zero3 if zero3.is_file() or not path.is_file() else path
+    if not path.is_file():
+        raise FileNotFoundError(f"can't find model states file at '{path}'")
+    return str(path)
 
 
 def shard_paths(folder: Path, count: int) -> list[Path]:

@@ -8,7 +8,8 @@ state in one of four forms, and :func:`saved_shards` finds which and hands back 
 - stage 0's whole state in the model file: one shard of a one-rank job whose every parameter is
   a bucket of its own (:func:`shard_from_replicated`);
 - a universal folder (:mod:`shardspeed.checkpoint.ds_to_universal`): each parameter whole under
-  ``zero/<name>/``, again one bucket per parameter (:func:`universal_shard`);
+  ``zero/<name>/``, again one bucket per parameter (:func:`universal_shard`); told apart by
+  that ``zero/`` folder (:func:`universal_layout`);
 - DeepSpeed's own ZeRO 1/2 shards (``zero_pp_rank_*`` or, with bf16, ``bf16_zero_pp_rank_*``):
   one bucket per parameter group (:func:`shard_from_deepspeed`, :func:`deepspeed_partitions`);
 - DeepSpeed's own ZeRO-3 shards: one bucket per parameter
@@ -45,6 +46,12 @@ from shardspeed.checkpoint.reader import load_file
 
 ShardReader = Callable[[int], dict[str, Any]]
 
+#: the model-states key under which :mod:`~shardspeed.checkpoint.ds_to_universal` describes a
+#: universal folder (its parameter groups and which parameter is in which). Not
+#: :data:`~shardspeed.checkpoint.files.UNIVERSAL_CHECKPOINT_INFO`: DeepSpeed's jobs put that
+#: key in their client state before converting, so any checkpoint may hold it.
+UNIVERSAL_LAYOUT = "shardspeed_universal_layout"
+
 
 def read_model_states(
     folder: Path, allow_unsafe_pickle: bool = False, mmap: bool = True
@@ -66,7 +73,7 @@ def saved_shards(
     tag ``folder`` whose model-states file holds ``model_state``; None if none was saved. Files
     are read safely (:func:`~shardspeed.checkpoint.reader.load_file`) unless
     ``allow_unsafe_pickle``."""
-    universal = model_state.get(UNIVERSAL_CHECKPOINT_INFO)
+    universal = universal_layout(folder, model_state)
     if universal is not None:
         shard = universal_shard(folder, universal, allow_unsafe_pickle)
         return (lambda _: shard), 1
@@ -137,6 +144,27 @@ def shard_from_replicated(saved: dict[str, Any]) -> dict[str, Any]:
         "loss_scaler": saved["loss_scaler"],
         "strategy": {**strategy, "dp_world_size": 1, "fp32_chunks": chunks},
     }
+
+
+def universal_layout(folder: Path, model_state: dict[str, Any]) -> dict[str, Any] | None:
+    """The description of the universal folder ``folder`` (whose model-states file holds
+    ``model_state``), or None if it is not one. A universal folder is marked by its layout, a
+    ``zero/`` folder of per-parameter files, as DeepSpeed's converter writes it; the
+    ``universal_checkpoint_info`` key marks nothing (it is the source job's client state)."""
+    if not (folder / "zero").is_dir():
+        return None
+    layout = model_state.get(UNIVERSAL_LAYOUT)
+    legacy = model_state.get(UNIVERSAL_CHECKPOINT_INFO)
+    if layout is None and isinstance(legacy, dict) and "group_of" in legacy:
+        layout = legacy  # written by an earlier shardspeed, under DeepSpeed's key
+    if not isinstance(layout, dict):
+        raise ValueError(
+            f"{folder} is a universal checkpoint (it has a zero/ folder) that shardspeed's "
+            "converter did not write, so its parameter groups are unknown; convert the "
+            "original tag with python -m shardspeed.checkpoint.ds_to_universal, or load it "
+            "with load_optimizer_states=False"
+        )
+    return layout
 
 
 def universal_shard(

@@ -22,10 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from shardspeed.compat.module_alias import install_alias
-from shardspeed.version import __version__
-
-DEEPSPEED_API_VERSION = "0.16.0"
-"""The DeepSpeed release whose API the compatibility package stands in for."""
+from shardspeed.version import DEEPSPEED_API_VERSION, __version__
 
 SHIM_MARKER = "__shardspeed_compat__"
 """Set to ``True`` in the compatibility package's ``deepspeed/__init__.py``."""

@@ -23,7 +23,13 @@ from __future__ import annotations
 
 from shardspeed.config.errors import DeepSpeedConfigError
 
-__all__ = ["solve_batch_triangle"]
+__all__ = ["BatchSizeError", "solve_batch_triangle"]
+
+
+class BatchSizeError(DeepSpeedConfigError, AssertionError):
+    """Batch sizes that cannot be made consistent. Also an ``AssertionError``: DeepSpeed asserts
+    the batch triangle, and its callers (and tests) catch ``AssertionError``."""
+
 
 _TB = "train_batch_size"
 _MB = "train_micro_batch_size_per_gpu"
@@ -39,7 +45,8 @@ def solve_batch_triangle(
     """Derive and check ``(train_batch_size, micro_batch_per_gpu, gradient_accumulation_steps)``.
 
     ``None`` means "not given". Raises :class:`DeepSpeedConfigError` naming all three numbers
-    and the data-parallel world size, with a fix, when the values cannot be made consistent.
+    and the data-parallel world size, with a fix, when the values cannot be made consistent
+    (a :class:`BatchSizeError`, which is also an ``AssertionError`` as in DeepSpeed).
     """
     if isinstance(dp_world_size, bool) or not isinstance(dp_world_size, int) or dp_world_size < 1:
         raise DeepSpeedConfigError(
@@ -71,7 +78,7 @@ def solve_batch_triangle(
         derived = f"{_GAS} defaulted to 1 and {_TB} was derived as {mb} * {ws} = {tb}"
     else:
         given = f" (only {_GAS}={gas} was given)" if gas is not None else ""
-        raise DeepSpeedConfigError(
+        raise BatchSizeError(
             f"Either {_TB} or {_MB} needs to be provided{given}; with a data-parallel world size "
             f"of {ws}, set {_MB} (and optionally {_GAS}) and {_TB} is derived."
         )
@@ -79,7 +86,7 @@ def solve_batch_triangle(
     assert tb is not None and mb is not None and gas is not None  # every branch set them
     if tb > 0 and mb > 0 and gas > 0 and tb == mb * gas * ws:
         return tb, mb, gas
-    raise DeepSpeedConfigError(_mismatch_message(tb, mb, gas, ws, derived))
+    raise BatchSizeError(_mismatch_message(tb, mb, gas, ws, derived))
 
 
 def _mismatch_message(tb: int, mb: int, gas: int, ws: int, derived: str) -> str:

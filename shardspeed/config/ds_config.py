@@ -18,7 +18,7 @@ from shardspeed.config.elastic_search import (
     ensure_immutable_elastic_config,
 )
 from shardspeed.config.errors import DeepSpeedConfigError, error_from_validation
-from shardspeed.config.loader import ConfigSource, load_config_dict
+from shardspeed.config.loader import ConfigSource, apply_dotted_keys, load_config_dict
 from shardspeed.config.monitor import DeepSpeedMonitorConfig
 from shardspeed.config.root import RootConfig
 from shardspeed.config.zero import DeepSpeedZeroConfig
@@ -74,7 +74,9 @@ class DeepSpeedConfig(RootConfig):
     ``cfg.fp16.enabled``, ``cfg.optimizer.params``...). After construction
     ``train_batch_size``, ``train_micro_batch_size_per_gpu`` and ``gradient_accumulation_steps``
     are ints satisfying ``train = micro * gas * dp_world_size``. ``raw`` is a copy of the
-    user's dict. Any problem raises :class:`DeepSpeedConfigError`.
+    user's dict, with any dotted top-level key (``"zero_optimization.reduce_bucket_size"``) moved
+    to the nested key it names (:func:`~shardspeed.config.loader.apply_dotted_keys`). Any problem
+    raises :class:`DeepSpeedConfigError`.
 
     ``hidden_size`` optionally resolves ``"auto"`` bucket sizes the way the HF Trainer would.
     """
@@ -97,7 +99,8 @@ class DeepSpeedConfig(RootConfig):
         dp_world_size: int | None = None,
         hidden_size: int | None = None,
     ) -> None:
-        raw = load_config_dict(config)
+        # a dotted top-level key (TRL's "zero_optimization.reduce_bucket_size") is that override
+        raw = apply_dotted_keys(load_config_dict(config), RootConfig)
         context = {"hidden_size": hidden_size} if hidden_size else None
         try:
             self.__pydantic_validator__.validate_python(
@@ -153,6 +156,16 @@ class DeepSpeedConfig(RootConfig):
         object.__setattr__(self, "train_micro_batch_size_per_gpu", mb)
         object.__setattr__(self, "gradient_accumulation_steps", gas)
         return tb, mb, gas
+
+    def _configure_train_batch_size(self) -> None:
+        """Solve the batch triangle again from the current three attributes (DeepSpeed's
+        method: its tests set some to ``None`` and call this). Raises
+        :class:`~shardspeed.config.batch.BatchSizeError`, an ``AssertionError`` as in DeepSpeed."""
+        self.set_batch_sizes(
+            self.train_batch_size,
+            self.train_micro_batch_size_per_gpu,
+            self.gradient_accumulation_steps,
+        )
 
     # --- derived values -------------------------------------------------------------------
 

@@ -19,12 +19,14 @@ PathPart = str | int
 
 __all__ = [
     "DeepSpeedConfigError",
+    "annotation_members",
     "closest_key",
     "error_from_validation",
     "field_for_key",
     "format_path",
     "known_keys",
     "known_keys_of_field",
+    "section_model",
     "split_path",
     "unknown_key_message",
 ]
@@ -115,14 +117,23 @@ def _short(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _members(annotation: Any) -> list[Any]:
+def annotation_members(annotation: Any) -> list[Any]:
     """Flatten ``Annotated``/``Optional``/``Union`` into the member types."""
     origin = typing.get_origin(annotation)
     if origin is typing.Annotated:
-        return _members(typing.get_args(annotation)[0])
+        return annotation_members(typing.get_args(annotation)[0])
     if origin in (typing.Union, types.UnionType):
-        return [m for arg in typing.get_args(annotation) for m in _members(arg)]
+        return [m for arg in typing.get_args(annotation) for m in annotation_members(arg)]
     return [annotation]
+
+
+def section_model(annotation: Any) -> type[BaseModel] | None:
+    """The model class a field of type ``annotation`` holds (``FP16Config | None`` ->
+    ``FP16Config``), or None for a plain value or a free-form dict."""
+    for member in annotation_members(annotation):
+        if isinstance(member, type) and issubclass(member, BaseModel):
+            return member
+    return None
 
 
 def field_for_key(model_cls: type[BaseModel], key: str) -> tuple[str, Any] | None:
@@ -150,7 +161,7 @@ def known_keys_of_field(name: str, field: Any) -> set[str]:
 
 
 def _step(annotation: Any, part: PathPart) -> Any:
-    for member in _members(annotation):
+    for member in annotation_members(annotation):
         if isinstance(member, type) and issubclass(member, BaseModel) and isinstance(part, str):
             found = field_for_key(member, part)
             if found is not None:
@@ -171,7 +182,4 @@ def _model_at(root: type[BaseModel], loc: Sequence[PathPart]) -> type[BaseModel]
         current = _step(current, part)
         if current is None:
             return None
-    for member in _members(current):
-        if isinstance(member, type) and issubclass(member, BaseModel):
-            return member
-    return None
+    return section_model(current)

@@ -29,3 +29,6 @@ class PipelineConfig(DeepSpeedConfigModel):
     """Partition activations sent between stages across the model-parallel group."""
     grad_partitioned: bool = True
     """Partition gradients sent between stages across the model-parallel group."""
+    use_reentrant: bool = True
+    """Activation checkpointing with the reentrant function (``checkpointing.checkpoint``);
+    False uses ``checkpointing.non_reentrant_checkpoint``, whose stage inputs need no grad."""

@@ -9,7 +9,7 @@ plain dicts, so later features can consume them.
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 from pydantic import AliasChoices, Field, field_validator, model_validator
@@ -49,6 +49,9 @@ from shardspeed.utils.logging import logger
 __all__ = ["RootConfig"]
 
 _FreeForm = dict[str, Any] | None
+
+#: ``gradient_allreduce_op`` values: average the data-parallel gradients, or add them
+GRADIENT_ALLREDUCE_OPS = ("mean", "sum")
 
 
 def _legacy_zero_section(data: dict[str, Any]) -> None:
@@ -115,6 +118,8 @@ class RootConfig(DeepSpeedConfigModel):
     """Scale gradients before the all-reduce instead of after."""
     gradient_predivide_factor: float = Field(default=1.0, gt=0.0)
     """Divide gradients by this before the all-reduce, the rest after."""
+    gradient_allreduce_op: Literal["mean", "sum"] = "mean"
+    """Combine data-parallel gradients by their mean or their plain sum (any case accepted)."""
     communication_data_type: FloatDType | None = None
     """Dtype of gradient communication (None: follow the model dtype)."""
     seq_parallel_communication_data_type: FloatDType | None = torch.float32
@@ -224,10 +229,24 @@ class RootConfig(DeepSpeedConfigModel):
             return None
         return value
 
+    @field_validator("gradient_allreduce_op", mode="before")
+    @classmethod
+    def _allreduce_op_any_case(cls, value: Any) -> Any:
+        # DeepSpeed lower-cases the value ("SUM" is "sum") and names the key when it is unknown
+        op = value.lower() if isinstance(value, str) else value
+        if op not in GRADIENT_ALLREDUCE_OPS:
+            raise ValueError(
+                f"Invalid gradient_allreduce_op {value!r}; supported operations: "
+                f"{list(GRADIENT_ALLREDUCE_OPS)} ('mean' averages the data-parallel gradients, "
+                "'sum' adds them)"
+            )
+        return op
+
     @model_validator(mode="after")
     def _cross_section_checks(self) -> RootConfig:
         zero = self.zero_optimization
         stage = zero.stage
+        self._check_allreduce_op()
         if self.fp16.enabled and self.bf16.enabled:
             raise DeepSpeedConfigError(
                 "fp16.enabled and bf16.enabled are both true; bfloat16 and fp16 modes cannot be "
@@ -255,3 +274,28 @@ class RootConfig(DeepSpeedConfigModel):
                     "(zero_optimization.stage is 0)."
                 )
         return self
+
+    def _check_allreduce_op(self) -> None:
+        """``gradient_allreduce_op: "sum"`` where DeepSpeed refuses it (ZeRO-3, ZenFlow,
+        DeepCompile: their reductions always average)."""
+        if self.gradient_allreduce_op != "sum":
+            return
+        refused = [
+            (
+                "ZeRO stage 3",
+                "set zero_optimization.stage to 0, 1 or 2",
+                self.zero_optimization.stage == ZeroStageEnum.weights,
+            ),
+            (
+                "ZenFlow",
+                "remove zero_optimization.zenflow",
+                self.zero_optimization.zenflow is not None,
+            ),
+            ("DeepCompile", "set compile.deepcompile to false", self.compile.deepcompile),
+        ]
+        for feature, fix, active in refused:
+            if active:
+                raise DeepSpeedConfigError(
+                    f"gradient_allreduce_op='sum' is not supported with {feature}; use "
+                    f"gradient_allreduce_op 'mean', or {fix}"
+                )

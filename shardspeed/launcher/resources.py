@@ -21,7 +21,8 @@ _FORMAT_HINT = "use NAME[:SLOT[,SLOT...]] joined by '@', e.g. \"worker-0@worker-
 
 
 def _parse_filter(spec: str, flag: str) -> dict[str, list[int] | None]:
-    """``{host: slots or None for the whole host}`` from one filter string."""
+    """``{host: slots or None for the whole host}`` from one filter string. A host named more
+    than once gets the union of its entries (DeepSpeed merges them too)."""
     parsed: dict[str, list[int] | None] = {}
     for node_spec in spec.split(NODE_SEP):
         node_spec = node_spec.strip()
@@ -30,25 +31,21 @@ def _parse_filter(spec: str, flag: str) -> dict[str, list[int] | None]:
         host, has_slots, slot_text = node_spec.partition(SLOT_LIST_START)
         if not host:
             raise ValueError(f"{flag} {spec!r}: {node_spec!r} has no host name; {_FORMAT_HINT}")
-        if host in parsed:
-            raise ValueError(
-                f"{flag} {spec!r} names host {host!r} twice; give it once with all its slots, "
-                f"e.g. {host}:0,1"
-            )
-        if not has_slots:
-            parsed[host] = None
-            continue
-        slots: list[int] = []
-        for token in slot_text.split(SLOT_SEP):
-            token = token.strip()
-            if not token.isdigit():
-                raise ValueError(
-                    f"{flag} {spec!r}: slot {token!r} of host {host!r} is not a non-negative "
-                    f"integer; {_FORMAT_HINT}"
-                )
-            if int(token) not in slots:
+        slots: list[int] | None = None
+        if has_slots:
+            slots = []
+            for token in slot_text.split(SLOT_SEP):
+                token = token.strip()
+                if not token.isdigit():
+                    raise ValueError(
+                        f"{flag} {spec!r}: slot {token!r} of host {host!r} is not a "
+                        f"non-negative integer; {_FORMAT_HINT}"
+                    )
                 slots.append(int(token))
-        parsed[host] = slots
+        if host in parsed:
+            earlier = parsed[host]
+            slots = None if earlier is None or slots is None else earlier + slots
+        parsed[host] = None if slots is None else sorted(set(slots))
     return parsed
 
 
@@ -72,37 +69,36 @@ def _ranges(slots: list[int]) -> str:
     return ",".join(str(s) for s in slots) if slots else "none"
 
 
-def parse_resource_filter(pool: Resources, include: str = "", exclude: str = "") -> Resources:
-    """Apply an include or exclude filter to ``{host: [slot ids]}``.
+def parse_resource_filter(
+    host_info: Resources, include_str: str = "", exclude_str: str = ""
+) -> Resources:
+    """Apply an include or exclude filter to ``host_info`` (``{host: [slot ids]}``).
 
-    Raises ``ValueError`` when both filters are given, for malformed filters, unknown hosts or
-    slots, and when nothing is left.
+    DeepSpeed's function and keywords. An exclude may leave nothing (``{}``), as in DeepSpeed;
+    :func:`select_resources` refuses that for a launch. Raises ``ValueError`` when both filters
+    are given, for malformed filters and for unknown hosts or slots.
     """
-    if include and exclude:
+    if include_str and exclude_str:
         raise ValueError(
             "--include and --exclude are mutually exclusive; keep one of them (list what to "
             "use with --include, or what to skip with --exclude)"
         )
-    if not include and not exclude:
-        return {host: sorted(slots) for host, slots in pool.items()}
-    if include:
-        wanted = _parse_filter(include, "--include")
-        _check_known(pool, wanted, "--include")
-        chosen = {h: sorted(pool[h] if s is None else s) for h, s in wanted.items()}
+    if not include_str and not exclude_str:
+        return {host: sorted(slots) for host, slots in host_info.items()}
+    if include_str:
+        wanted = _parse_filter(include_str, "--include")
+        _check_known(host_info, wanted, "--include")
+        chosen = {h: sorted(host_info[h] if s is None else s) for h, s in wanted.items()}
     else:
-        dropped = _parse_filter(exclude, "--exclude")
-        _check_known(pool, dropped, "--exclude")
+        dropped = _parse_filter(exclude_str, "--exclude")
+        _check_known(host_info, dropped, "--exclude")
         chosen = {}
-        for host, slots in pool.items():
+        for host, slots in host_info.items():
             gone = dropped.get(host, [])
             if host in dropped and gone is None:
                 continue
             chosen[host] = sorted(s for s in slots if s not in (gone or []))
-    result = {host: chosen[host] for host in pool if chosen.get(host)}
-    if not result:
-        flag = "--include" if include else "--exclude"
-        raise ValueError(f"{flag} leaves no host or slot to run on; relax the filter")
-    return result
+    return {host: chosen[host] for host in host_info if chosen.get(host)}
 
 
 def parse_inclusion_exclusion(
@@ -148,8 +144,12 @@ def select_resources(
     num_nodes: int = -1,
     num_gpus: int = -1,
 ) -> Resources:
-    """The active ``{host: [slot ids]}``: filters first, then the node and slot limits."""
+    """The active ``{host: [slot ids]}``: filters first, then the node and slot limits.
+    Raises ``ValueError`` when the filter leaves nothing to run on."""
     active = parse_inclusion_exclusion(resource_pool, include, exclude)
+    if not active:
+        flag = "--include" if include else "--exclude"
+        raise ValueError(f"{flag} leaves no host or slot to run on; relax the filter")
     return limit_resources(active, num_nodes, num_gpus)
 
 

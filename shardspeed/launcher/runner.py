@@ -44,6 +44,7 @@ DEEPSPEED_ENVIRONMENT_PATHS = [os.path.expanduser("~"), "."]
 __all__ = [
     "DEEPSPEED_ENVIRONMENT_NAME",
     "DEEPSPEED_ENVIRONMENT_PATHS",
+    "cli",
     "main",
     "parse_args",
     "parse_resource_filter",
@@ -168,6 +169,20 @@ def check_args(args: argparse.Namespace) -> None:
         )
     if args.bind_core_list and not args.bind_cores_to_rank:
         raise ValueError("--bind_core_list needs --bind_cores_to_rank; add it or drop the list")
+    if (args.num_nodes >= 0 or args.num_gpus >= 0) and (args.include or args.exclude):
+        limits = [
+            f"--{n} {v}"
+            for n, v in (("num_nodes", args.num_nodes), ("num_gpus", args.num_gpus))
+            if v >= 0
+        ]
+        filters = [
+            f"--{n} {v!r}" for n, v in (("include", args.include), ("exclude", args.exclude)) if v
+        ]
+        raise ValueError(
+            f"{' '.join(limits)} cannot be combined with {' '.join(filters)} (as in DeepSpeed); "
+            "pick the hosts and slots with --include/--exclude alone, or size the job with "
+            "--num_nodes/--num_gpus alone"
+        )
 
 
 def resolve_resources(args: argparse.Namespace) -> tuple[Resources, bool]:
@@ -333,18 +348,27 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(args: list[str] | None = None) -> int:
-    """Console entry point of ``shardspeed``; returns the job's exit code."""
+    """Launch from a command line (``sys.argv[1:]`` when ``args`` is None) and return the job's
+    exit code. As DeepSpeed's ``runner.main``, a bad command line raises (``ValueError``,
+    :class:`~shardspeed.launcher.hostfile.HostfileError`) before anything starts; :func:`cli`
+    reports those as a message instead."""
     parsed = parse_args(args)
     if parsed.quiet:
         logger.setLevel("WARNING")
     else:
         logger.setLevel(parsed.log_level.upper())
+    return run(parsed)
+
+
+def cli(args: list[str] | None = None) -> int:
+    """Console entry point of ``shardspeed``: :func:`main`, with a bad command line reported as
+    one error line and exit code 2 instead of a traceback."""
     try:
-        return run(parsed)
+        return main(args)
     except (ValueError, HostfileError) as exc:
         logger.error(str(exc))
         return 2
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

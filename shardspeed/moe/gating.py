@@ -19,6 +19,10 @@ from shardspeed.moe.routing import Routing
 DROP_POLICIES = ("probs", "position")
 
 
+class TooFewTokensError(ValueError, AssertionError):
+    """Fewer tokens than ``min_capacity`` (DeepSpeed asserts; callers may catch either)."""
+
+
 def capacity_for(
     num_tokens: int, num_experts: int, capacity_factor: float, min_capacity: int
 ) -> int:
@@ -54,9 +58,10 @@ def route_top1(
     """Switch-style top-1 routing.
 
     ``RSample`` picks the expert from logits plus Gumbel noise. ``used_token`` (0/1 per token)
-    removes tokens from routing. Over capacity, ``use_rts`` keeps a uniformly random subset of
-    each expert's tokens; without it the earliest tokens are kept (DeepSpeed leaves that
-    choice to ``torch.topk``'s unspecified order among ties; here it is deterministic).
+    multiplies the routing mask, removing tokens from routing. Over capacity each expert keeps
+    the tokens ``torch.topk`` picks along the token axis of the mask, as DeepSpeed does: with
+    ``use_rts`` the mask times uniform noise (a random subset), without it the 0/1 mask itself,
+    where the kept tokens are the ones topk returns among equal scores (not the earliest).
     """
     gates = F.softmax(logits, dim=1)
     num_tokens, num_experts = gates.shape
@@ -66,7 +71,9 @@ def route_top1(
         choice = torch.argmax(gates, dim=1)
     mask = F.one_hot(choice, num_classes=num_experts)
     if used_token is not None:
-        mask = mask * (used_token.reshape(-1, 1) != 0).to(mask.dtype)
+        # a product, not a boolean select: the mask takes used_token's dtype as DeepSpeed's
+        # einsum gives it, and topk's choice among equal scores can depend on the dtype
+        mask = used_token.reshape(-1, 1) * mask
     exp_counts = mask.sum(dim=0).detach()
 
     if drop_tokens:
@@ -75,19 +82,20 @@ def route_top1(
         capacity = min(_largest_load(exp_counts, ep_group), num_tokens)
     l_aux = _balance_loss(gates, mask) * num_experts * num_experts
     if num_tokens < min_capacity:
-        raise ValueError(
+        raise TooFewTokensError(
             f"top-1 gating got {num_tokens} tokens, fewer than min_capacity={min_capacity}: "
             "set min_capacity to 0 or increase the batch size"
         )
 
-    if use_rts:
-        scores = mask * torch.rand(mask.shape, device=logits.device)
-        chosen = torch.topk(scores, k=min(capacity, num_tokens), dim=0).indices
-        mask = mask * torch.zeros_like(mask).scatter_(0, chosen, 1)
-    else:
-        mask = mask * (torch.cumsum(mask, dim=0) - 1 < capacity).to(mask.dtype)
+    # the same topk call on the same scores as DeepSpeed: which tokens survive an overflow
+    # decides the loss curve, and topk's order among ties is its own (neither earliest nor
+    # stable), so anything but this exact selection drifts from DeepSpeed's curves
+    scores = mask * torch.rand(mask.shape, device=logits.device) if use_rts else mask
+    chosen = torch.topk(scores, k=min(capacity, num_tokens), dim=0).indices
+    mask = mask * torch.zeros_like(mask).scatter_(0, chosen, 1)
 
-    locations = ((torch.cumsum(mask, dim=0) - 1) * mask).sum(dim=1)
+    kept = mask != 0
+    locations = ((torch.cumsum(kept.long(), dim=0) - 1) * kept).sum(dim=1)
     weights = (gates * mask.to(gates.dtype)).sum(dim=1)
     return Routing(
         l_aux=l_aux,
@@ -97,7 +105,7 @@ def route_top1(
         experts=choice.unsqueeze(1),
         locations=locations.unsqueeze(1),
         weights=weights.unsqueeze(1),
-        kept=(mask.sum(dim=1) > 0).unsqueeze(1),
+        kept=kept.any(dim=1).unsqueeze(1),
     )
 
 

@@ -16,7 +16,12 @@ import torch
 from torch import Tensor, nn
 
 from shardspeed import comm
-from shardspeed.moe.all_to_all import agree_capacity, all_to_all
+from shardspeed import comm as dist  # noqa: F401 - DeepSpeed's name; its tests patch dist.*
+from shardspeed.moe.all_to_all import (
+    _AllToAll,  # noqa: F401 - DeepSpeed's import path
+    agree_capacity,
+    all_to_all,
+)
 from shardspeed.moe.dispatch import combine, dispatch
 from shardspeed.moe.gating import route_top1, route_top2, route_topk
 from shardspeed.moe.noise import gumbel_rsample, multiplicative_jitter
@@ -38,6 +43,31 @@ NO_EP_GROUP = (
     "MoE layer after torch.distributed is initialized"
 )
 TUTEL_REFUSED = "use_tutel=True is not supported by shardspeed (Tutel kernels are not used); pass use_tutel=False"
+#: DeepSpeed's switches, for code that reads them: einsum is always torch.einsum; no Tutel
+USE_EINSUM = True
+TUTEL_INSTALLED = False
+
+
+def einsum(rule: str, a: Tensor, b: Tensor) -> Tensor:
+    """``torch.einsum(rule, a, b)`` (DeepSpeed's helper, used by code built on its gates)."""
+    return torch.einsum(rule, a, b)
+
+
+def _capacity(gates: Tensor, capacity_factor: Tensor, min_capacity: Tensor) -> Tensor:
+    """Expert capacity for ``[tokens, experts]`` gates: ``ceil(tokens / experts * factor)``,
+    at least ``min_capacity``, as an int64 tensor."""
+    num_tokens, num_experts = gates.shape
+    capacity = torch.ceil((num_tokens / num_experts) * capacity_factor).to(torch.int64)
+    return torch.maximum(capacity, min_capacity.to(torch.int64))
+
+
+def _top_idx(source: Tensor, k: int) -> Tensor:
+    """Indices of the ``k`` largest entries of each column of ``source`` (along tokens)."""
+    return torch.topk(source, k=k, dim=0)[1]
+
+
+def _one_hot_to_float(x: Tensor, num_classes: int) -> Tensor:
+    return torch.nn.functional.one_hot(x, num_classes=num_classes).float()
 
 
 def top1gating(

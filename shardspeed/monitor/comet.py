@@ -6,23 +6,30 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from shardspeed.config.monitor import CometConfig
-from shardspeed.monitor.monitor import Event, Monitor, missing_dependency
+from shardspeed.monitor.monitor import Event, Monitor, missing_dependency, section_of
 
 __all__ = ["CometMonitor"]
 
 
 class CometMonitor(Monitor):
-    """Logs each event with ``log_metric`` at most once per ``samples_log_interval`` samples."""
+    """Logs each event with ``log_metric`` at most once per ``samples_log_interval`` samples.
 
-    def __init__(self, comet_config: CometConfig) -> None:
+    ``comet_config`` is the ``comet`` section (or the whole monitor config). The experiment is
+    started only where the monitor is :attr:`~.Monitor.active` (enabled, global rank 0);
+    ``experiment`` is None elsewhere."""
+
+    def __init__(self, comet_config: Any) -> None:
+        comet_config = section_of(comet_config, "comet")
         super().__init__(comet_config)
+        self.samples_log_interval = comet_config.samples_log_interval
+        self._last_logged: dict[str, int] = {}
+        self.experiment: Any = None
+        if not self.active:
+            return
         try:
             import comet_ml
         except ImportError as err:
             raise missing_dependency("comet_ml", "comet", "comet") from err
-        self.samples_log_interval = comet_config.samples_log_interval
-        self._last_logged: dict[str, int] = {}
         online = True if comet_config.online is None else comet_config.online
         offline_dir = None
         if not online:
@@ -40,11 +47,13 @@ class CometMonitor(Monitor):
             name=comet_config.experiment_name, offline_directory=offline_dir
         )
         # Unset options are left out so comet_ml falls back to COMET_* variables and its files.
-        self.experiment: Any = comet_ml.start(
+        self.experiment = comet_ml.start(
             **{k: v for k, v in options.items() if v is not None}, experiment_config=settings
         )
 
     def write_events(self, event_list: Sequence[Event]) -> None:
+        if self.experiment is None:
+            return
         for name, value, step in event_list:
             last = self._last_logged.get(name)
             if last is not None and step - last < self.samples_log_interval:
@@ -53,4 +62,5 @@ class CometMonitor(Monitor):
             self.experiment.log_metric(name, value, step=step)
 
     def close(self) -> None:
-        self.experiment.end()
+        if self.experiment is not None:
+            self.experiment.end()

@@ -10,7 +10,7 @@ from typing import Any
 from shardspeed import comm
 from shardspeed.config.monitor import DeepSpeedMonitorConfig
 
-__all__ = ["Event", "Monitor", "MonitorMaster", "global_rank"]
+__all__ = ["Event", "Monitor", "MonitorMaster", "global_rank", "section_of"]
 
 Event = tuple[str, Any, int]
 """``(name, value, step)``; value is a number (tensors are converted with ``float``)."""
@@ -32,12 +32,28 @@ def missing_dependency(package: str, extra: str, section: str) -> ImportError:
     )
 
 
+def section_of(config: Any, name: str) -> Any:
+    """A backend's config section from the section itself or from the whole monitor config
+    (``ds_config.monitor_config``, which older DeepSpeed releases passed to the backends)."""
+    nested = getattr(config, name, None)
+    return nested if nested is not None and hasattr(nested, "enabled") else config
+
+
 class Monitor(ABC):
-    """One logging backend. Subclasses are created only on global rank 0."""
+    """One logging backend. :class:`MonitorMaster` creates them on global rank 0 only; one
+    built directly (as DeepSpeed's tests do, on every rank) is active only where
+    :attr:`active`: enabled and on global rank 0. An inactive one creates nothing (no folder,
+    no run) and writes nothing."""
 
     def __init__(self, monitor_config: Any) -> None:
         self.monitor_config = monitor_config
         self.enabled = bool(getattr(monitor_config, "enabled", False))
+
+    @property
+    def active(self) -> bool:
+        """Whether this backend writes from this process (DeepSpeed writes from global rank 0
+        only)."""
+        return self.enabled and global_rank() == 0
 
     @abstractmethod
     def write_events(self, event_list: Sequence[Event]) -> None:

@@ -5,31 +5,41 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from shardspeed.config.monitor import WandbConfig
-from shardspeed.monitor.monitor import Event, Monitor, missing_dependency
+from shardspeed.monitor.monitor import Event, Monitor, missing_dependency, section_of
 
 __all__ = ["WandbMonitor"]
 
 
 class WandbMonitor(Monitor):
-    """Logs each event as ``{name: value}`` at ``step`` in one run."""
+    """Logs each event as ``{name: value}`` at ``step`` in one run.
 
-    def __init__(self, wandb_config: WandbConfig) -> None:
+    ``wandb_config`` is the ``wandb`` section (or the whole monitor config); ``group``, ``team``
+    and ``project`` are its values. The run is started only where the monitor is
+    :attr:`~.Monitor.active` (enabled, global rank 0); ``run`` is None elsewhere."""
+
+    def __init__(self, wandb_config: Any) -> None:
+        wandb_config = section_of(wandb_config, "wandb")
         super().__init__(wandb_config)
+        self.group: str | None = wandb_config.group
+        self.team: str | None = wandb_config.team
+        self.project: str = wandb_config.project
+        self.run: Any = None
+        if not self.active:
+            return
         try:
             import wandb
         except ImportError as err:
             raise missing_dependency("wandb", "wandb", "wandb") from err
-        self._wandb = wandb
-        self.run: Any = wandb.init(
-            project=wandb_config.project, group=wandb_config.group, entity=wandb_config.team
-        )
+        self.run = wandb.init(project=self.project, group=self.group, entity=self.team)
 
     def write_events(self, event_list: Sequence[Event]) -> None:
+        if self.run is None:
+            return
         for name, value, step in event_list:
             # commit=False batches the events of one step into one history row; wandb commits a
             # row when the step advances and at finish().
             self.run.log({name: value}, step=step, commit=False)
 
     def close(self) -> None:
-        self.run.finish()
+        if self.run is not None:
+            self.run.finish()

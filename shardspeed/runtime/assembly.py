@@ -70,6 +70,7 @@ def strategy_context(
     return StrategyContext(
         precision=precision,
         reduce=GradReduceOptions(
+            allreduce_op=config.gradient_allreduce_op,
             prescale_gradients=config.prescale_gradients,
             gradient_predivide_factor=config.gradient_predivide_factor,
             communication_data_type=precision.comm_dtype,

@@ -34,14 +34,14 @@ from shardspeed.checkpoint.commit import clear_staging
 from shardspeed.checkpoint.file_writer import save_file
 from shardspeed.checkpoint.files import (
     MODEL_STATES,
-    UNIVERSAL_CHECKPOINT_INFO,
     existing_tag,
     model_states_path,
     resolve_tag,
+    zero3_model_states_name,
 )
 from shardspeed.checkpoint.manifest import check_tag
 from shardspeed.checkpoint.snapshot import snapshot
-from shardspeed.checkpoint.sources import read_model_states, saved_shards
+from shardspeed.checkpoint.sources import UNIVERSAL_LAYOUT, read_model_states, saved_shards
 from shardspeed.runtime import moe_checkpoint
 from shardspeed.runtime.checkpoint_writer import PendingSave, start_save
 from shardspeed.runtime.rank_agreement import agree_on
@@ -66,6 +66,11 @@ _DEEPSPEED_KEYS = (
     "random_ltd",
     "sparse_tensor_module_names",
 )
+
+
+class TagMismatchError(ValueError, AssertionError):
+    """``checkpoint.tag_validation: "Fail"`` and the ranks gave different tags (DeepSpeed
+    asserts)."""
 
 
 def check_config(config: DeepSpeedConfig) -> None:
@@ -167,16 +172,14 @@ def _rank_files(
         module_state, expert_files, info = moe_checkpoint.split_module_state(engine, module_state)
         files.update(expert_files)
         moe[moe_checkpoint.MOE_INFO] = info
-    if not commits:
-        return files
-    files[MODEL_STATES] = {
+    buffer_names = [name for name, _ in engine.module.named_buffers()]
+    state = {
         **moe,
-        "module": module_state,
         "optimizer": None if shard is not None else optimizer_state,
         "lr_scheduler": engine.lr_scheduler.state_dict()
         if engine.lr_scheduler is not None
         else None,
-        "buffer_names": [name for name, _ in engine.module.named_buffers()],
+        "buffer_names": buffer_names,
         "dp_world_size": engine.strategy.checkpoint_world_size(),
         "zero_stage": engine.zero_optimization_stage(),
         "ds_config": engine.config.raw,
@@ -184,6 +187,13 @@ def _rank_files(
         **engine.state.state_dict(),
         **client_state,
     }
+    rank_shard = engine.strategy.checkpoint_shard_name()
+    if engine.zero_optimization_stage() == 3 and rank_shard is not None:
+        # DeepSpeed's ZeRO-3 names a model-states file per rank; tools read rank 0's (Lightning)
+        buffers = {name: module_state[name] for name in buffer_names if name in module_state}
+        files[zero3_model_states_name(rank_shard)] = {"module": buffers, **state}
+    if commits:
+        files[MODEL_STATES] = {"module": module_state, **state}
     return files
 
 
@@ -201,11 +211,12 @@ def _validate_tag(engine: DeepSpeedEngine, tag: str) -> None:
     if torch.equal(low, high):
         return
     message = (
-        f"[rank {comm.get_rank()}] the checkpoint tag {tag!r} differs between ranks; every rank "
-        "must pass the same tag to save_checkpoint (leave rank-specific parts out of it)"
+        f"[rank {comm.get_rank()}] the checkpoint tag {tag!r} differs between ranks (is not "
+        "consistent across all ranks); every rank must pass the same tag to save_checkpoint "
+        "(leave rank-specific parts out of it)"
     )
     if config.tag_validation_fail:
-        raise ValueError(message)
+        raise TagMismatchError(message)
     log_dist(message, ranks=[-1], level=logging.WARNING)
 
 
@@ -307,7 +318,7 @@ def load(
         "ds_config",
         "ds_version",
         *COUNTERS,
-        UNIVERSAL_CHECKPOINT_INFO,
+        UNIVERSAL_LAYOUT,  # the caller's own universal_checkpoint_info comes back, as in DeepSpeed
         moe_checkpoint.MOE_INFO,
         # what DeepSpeed's model files add
         *_DEEPSPEED_KEYS,

@@ -14,10 +14,22 @@ from shardspeed.utils.loaders import RepeatingLoader
 __all__ = ["DeepSpeedDataLoader", "RepeatingLoader"]
 
 
+class _EpochTrackingSampler(DistributedSampler):  # type: ignore[type-arg]  # no item type
+    """A ``DistributedSampler`` that notes whether the caller set its epoch."""
+
+    epoch_set_by_caller = False
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        self.epoch_set_by_caller = True
+
+
 class DeepSpeedDataLoader:
     """An iterator over micro-batches of this rank's shard (``DistributedSampler`` by default).
 
-    Iterating it again starts a new epoch with a new shuffle (``set_epoch`` is advanced for you).
+    Iterating it again starts a new epoch: the sampler it made itself gets the next epoch (a new
+    shuffle) unless the caller set one since the last pass; a ``data_sampler`` passed in is
+    left as the caller keeps it, as DeepSpeed does.
     """
 
     def __init__(
@@ -40,8 +52,10 @@ class DeepSpeedDataLoader:
         self.batch_size = batch_size
         world = data_parallel_world_size or 1
         rank = data_parallel_rank or 0
+        #: the sampler is this loader's own, so its epochs are this loader's to advance
+        self.owns_sampler = data_sampler is None
         if data_sampler is None:
-            data_sampler = DistributedSampler(
+            data_sampler = _EpochTrackingSampler(
                 dataset, num_replicas=world, rank=rank, shuffle=True, drop_last=dataloader_drop_last
             )
         self.data_sampler = data_sampler
@@ -61,8 +75,11 @@ class DeepSpeedDataLoader:
         return len(self.dataloader)
 
     def __iter__(self) -> DeepSpeedDataLoader:
-        if isinstance(self.data_sampler, DistributedSampler):
-            self.data_sampler.set_epoch(self.epoch)
+        sampler = self.data_sampler
+        if isinstance(sampler, _EpochTrackingSampler) and self.owns_sampler:
+            if self.epoch > 0 and not sampler.epoch_set_by_caller:
+                sampler.epoch += 1
+            sampler.epoch_set_by_caller = False
         self.epoch += 1
         self._iter = iter(self.dataloader)
         return self

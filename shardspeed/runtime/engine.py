@@ -24,6 +24,8 @@ from shardspeed.config import DeepSpeedConfig
 from shardspeed.runtime import checkpointer
 from shardspeed.runtime.checkpoint_writer import PendingSave
 from shardspeed.runtime.dataloader import DeepSpeedDataLoader, build_dataloader
+from shardspeed.runtime.engine_attributes import ModuleAttributes
+from shardspeed.runtime.engine_checks import check_no_sync_entry, check_step_allowed, checkpoint_dir
 from shardspeed.runtime.engine_parts import EngineParts
 from shardspeed.runtime.precision.autocast import autocast_if_enabled
 from shardspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
@@ -79,8 +81,9 @@ class _NoOptimizer:
         return False
 
 
-class DeepSpeedEngine(nn.Module):
-    """Wraps a model for distributed training; returned by :func:`shardspeed.initialize`."""
+class DeepSpeedEngine(ModuleAttributes, nn.Module):
+    """Wraps a model for distributed training; returned by :func:`shardspeed.initialize`.
+    Attributes it lacks are the wrapped model's (``engine.moe_1`` is ``engine.module.moe_1``)."""
 
     #: the checkpoint format's module (``save`` / ``load``): DeepSpeed's directory layout here,
     #: its per-layer pipeline layout for the PipelineEngine
@@ -201,11 +204,7 @@ class DeepSpeedEngine(nn.Module):
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """Update the weights if this micro-step ends a gradient-accumulation window."""
-        if self._coalescing:
-            raise RuntimeError(
-                "engine.step() inside coalesce_grad_reduction(): gradients are reduced when the "
-                "block exits, so call step() after it"
-            )
+        check_step_allowed(self._no_sync, self._coalescing)
         self.state.step_applied = False
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
@@ -233,13 +232,10 @@ class DeepSpeedEngine(nn.Module):
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally inside this block, with no reduction even at a boundary."""
-        if not self.strategy.supports_no_sync:
-            raise AssertionError(
-                f"no_sync() is not supported with ZeRO stage {self.zero_optimization_stage()}"
-            )
-        if self._no_sync:
-            raise RuntimeError("no_sync() blocks cannot be nested")
+        """Accumulate gradients locally inside this block, with no reduction even at a boundary
+        (``step()`` comes after the block)."""
+        stage = self.zero_optimization_stage()
+        check_no_sync_entry(self.strategy.supports_no_sync, self._no_sync, stage)
         self._no_sync = True
         try:
             yield
@@ -410,6 +406,7 @@ class DeepSpeedEngine(nn.Module):
         exclude_frozen_parameters: bool = False,
     ) -> bool:
         """Save model, optimizer, scheduler and counters under ``save_dir/tag``."""
+        save_dir = checkpoint_dir(save_dir, "save_dir", "save_checkpoint")
         return self.checkpoint_format.save(
             self, save_dir, tag, client_state or {}, save_latest, exclude_frozen_parameters
         )
@@ -432,7 +429,7 @@ class DeepSpeedEngine(nn.Module):
         more."""
         loaded = self.checkpoint_format.load(
             self,
-            load_dir,
+            checkpoint_dir(load_dir, "load_dir", "load_checkpoint"),
             tag,
             load_module_strict=load_module_strict,
             load_optimizer_states=load_optimizer_states and not load_module_only,

@@ -20,6 +20,15 @@ from shardspeed.version import __git_branch__, __git_hash__, __version__
 TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
 
 
+class MissingModelError(ValueError, AssertionError):
+    """``initialize()`` without ``model=`` (DeepSpeed asserts)."""
+
+
+class ModelAsArgsError(TypeError, AssertionError):
+    """``initialize(model)``: the model given positionally lands in ``args`` (DeepSpeed asserts
+    that ``model`` is given)."""
+
+
 def _config_source(args: Any, config: Any, config_params: Any) -> Any:
     """The one config the user meant, from ``config``, ``config_params`` or ``args``."""
     from_args = getattr(args, "deepspeed_config", None) if args is not None else None
@@ -68,12 +77,14 @@ def initialize(
         ranks=[0],
     )
     if isinstance(args, nn.Module) and model is None:
-        raise TypeError(
+        raise ModelAsArgsError(
             "initialize() got a model as its first positional argument, which is `args`; "
             "call initialize(model=model, ...) with keywords"
         )
     if model is None:
-        raise ValueError("initialize() needs model=<your torch.nn.Module>")
+        raise MissingModelError(
+            "deepspeed.initialize requires a model: pass model=<your torch.nn.Module>"
+        )
     if mesh_param is not None:
         raise NotImplementedError(
             "initialize(mesh_param=...) (sequence-parallel meshes) is not supported yet"

@@ -21,6 +21,9 @@ LR_RANGE_TEST_STEP_RATE = "lr_range_test_step_rate"
 LR_RANGE_TEST_STEP_SIZE = "lr_range_test_step_size"
 LR_RANGE_TEST_STAIRCASE = "lr_range_test_staircase"
 
+EDGE_VALUE = "edge_value"
+MID_VALUE = "mid_value"
+
 CYCLE_FIRST_STEP_SIZE = "cycle_first_step_size"
 CYCLE_FIRST_STAIR_COUNT = "cycle_first_stair_count"
 CYCLE_SECOND_STEP_SIZE = "cycle_second_step_size"

@@ -17,15 +17,42 @@ from typing import Any
 
 import torch
 
-from shardspeed.runtime.lr_schedule_args import (  # noqa: F401  (DeepSpeed's public names)
+# DeepSpeed's module-level names of deepspeed.runtime.lr_schedules: schedule names, config keys
+from shardspeed.runtime.lr_schedule_args import (
+    COS_MIN_RATIO,
+    CYCLE_FIRST_STAIR_COUNT,
+    CYCLE_FIRST_STEP_SIZE,
+    CYCLE_MAX_LR,
+    CYCLE_MAX_MOM,
+    CYCLE_MIN_LR,
+    CYCLE_MIN_MOM,
+    CYCLE_MOMENTUM,
+    CYCLE_SECOND_STAIR_COUNT,
+    CYCLE_SECOND_STEP_SIZE,
+    DECAY_LR_RATE,
+    DECAY_MOM_RATE,
+    DECAY_STEP_SIZE,
+    EDGE_VALUE,
     LR_RANGE_TEST,
+    LR_RANGE_TEST_MIN_LR,
+    LR_RANGE_TEST_STAIRCASE,
+    LR_RANGE_TEST_STEP_RATE,
+    LR_RANGE_TEST_STEP_SIZE,
+    LR_SCHEDULE,
+    MID_VALUE,
     ONE_CYCLE,
+    TOTAL_NUM_STEPS,
     VALID_LR_SCHEDULES,
     WARMUP_COSINE_LR,
     WARMUP_DECAY_LR,
     WARMUP_LINEAR_RATE,
     WARMUP_LOG_RATE,
     WARMUP_LR,
+    WARMUP_MAX_LR,
+    WARMUP_MIN_LR,
+    WARMUP_MIN_RATIO,
+    WARMUP_NUM_STEPS,
+    WARMUP_TYPE,
     WARMUP_TYPES,
     add_tuning_arguments,
     get_config_from_args,
@@ -115,7 +142,8 @@ class OneCycle(BatchSchedule):
         cycle_min_lr, cycle_max_lr: LR bounds, floats or one per param group.
         decay_lr_rate: post-cycle LR decay rate. (default: 0)
         cycle_first_step_size: batches in the rising half. (default: 2000)
-        cycle_second_step_size: batches in the falling half; None = first. (default: None)
+        cycle_second_step_size: batches in the falling half; None = first, 0 = none (the
+            LR drops back to ``cycle_min_lr`` after the rise). (default: None)
         cycle_first_stair_count: stairs in the rising half; 0 = continuous. (default: 0)
         cycle_second_stair_count: stairs in the falling half; None = first. (default: None)
         decay_step_size: post-cycle decay interval; 0 = no decay. (default: 0)
@@ -144,10 +172,13 @@ class OneCycle(BatchSchedule):
     ) -> None:
         super().__init__(optimizer, last_batch_iteration)
         second = cycle_first_step_size if cycle_second_step_size is None else cycle_second_step_size
-        if cycle_first_step_size <= 0 or second <= 0:
+        # a second step size of 0 is DeepSpeed's "no falling half": the LR rises over the first
+        # half, then the post-cycle phase starts from cycle_min_lr
+        if cycle_first_step_size <= 0 or second < 0:
             raise ValueError(
-                f"cycle step sizes must be > 0, got cycle_first_step_size={cycle_first_step_size}, "
-                f"cycle_second_step_size={cycle_second_step_size}"
+                f"cycle_first_step_size must be > 0 and cycle_second_step_size >= 0, got "
+                f"cycle_first_step_size={cycle_first_step_size}, "
+                f"cycle_second_step_size={cycle_second_step_size}; pass batch counts"
             )
         self.first_step_size = float(cycle_first_step_size)
         self.second_step_size = float(second)
@@ -416,24 +447,32 @@ class WarmupCosineLR(BatchSchedule):
         if last_batch_iteration == -1:
             self._apply()
 
-    def get_lr_ratio(self) -> list[float]:
-        """The ratio of each group's base LR at ``last_batch_iteration``."""
+    def get_lr_ratio(self) -> float:
+        """The ratio of the base LR at ``last_batch_iteration``, a float as in DeepSpeed.
+
+        With one ``warmup_min_ratio`` per param group the warmup ratios differ by group; this
+        is then the first group's (:meth:`get_lr` uses each group's own)."""
+        return self._ratio(self.warmup_min_ratios[0])
+
+    def _ratio(self, warmup_min_ratio: float) -> float:
         i = self.last_batch_iteration
         if i < 0:
-            return [0.0] * len(self.org_lrs)
+            return 0.0
         if i < self.warmup_num_steps:
             f = _warmup_fraction(i, self.warmup_num_steps, self.warmup_type)
-            return [lo + (1.0 - lo) * f for lo in self.warmup_min_ratios]
+            return warmup_min_ratio + (1.0 - warmup_min_ratio) * f
         real_total = max(1, self.total_num_steps - self.warmup_num_steps)
         # clamped so the ratio stays at the floor past total_num_steps instead of rising again
         progress = min(1.0, (i - self.warmup_num_steps + 1) / real_total)
         cosine = (1.0 + math.cos(math.pi * progress)) / 2.0
-        ratio = max(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * cosine)
-        return [ratio] * len(self.org_lrs)
+        return max(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * cosine)
 
     def get_lr(self) -> list[float]:
         """``base_lr * ratio`` for every param group."""
-        return [lr * ratio for lr, ratio in zip(self.org_lrs, self.get_lr_ratio(), strict=True)]
+        return [
+            lr * self._ratio(low)
+            for lr, low in zip(self.org_lrs, self.warmup_min_ratios, strict=True)
+        ]
 
     def step(self, last_batch_iteration: int | None = None) -> None:
         """Move to ``last_batch_iteration`` (default: the next batch) and set the LRs."""
@@ -484,10 +523,44 @@ __all__ = [
     "WarmupLR",
     "WarmupDecayLR",
     "WarmupCosineLR",
-    "VALID_LR_SCHEDULES",
+    "scheduler_from_config",
     "add_tuning_arguments",
     "get_config_from_args",
     "get_lr_from_config",
     "parse_arguments",
-    "scheduler_from_config",
+    "LR_SCHEDULE",
+    "LR_RANGE_TEST",
+    "ONE_CYCLE",
+    "WARMUP_LR",
+    "WARMUP_DECAY_LR",
+    "WARMUP_COSINE_LR",
+    "VALID_LR_SCHEDULES",
+    "LR_RANGE_TEST_MIN_LR",
+    "LR_RANGE_TEST_STEP_RATE",
+    "LR_RANGE_TEST_STEP_SIZE",
+    "LR_RANGE_TEST_STAIRCASE",
+    "EDGE_VALUE",
+    "MID_VALUE",
+    "CYCLE_FIRST_STEP_SIZE",
+    "CYCLE_FIRST_STAIR_COUNT",
+    "CYCLE_SECOND_STEP_SIZE",
+    "CYCLE_SECOND_STAIR_COUNT",
+    "DECAY_STEP_SIZE",
+    "CYCLE_MIN_LR",
+    "CYCLE_MAX_LR",
+    "DECAY_LR_RATE",
+    "CYCLE_MOMENTUM",
+    "CYCLE_MIN_MOM",
+    "CYCLE_MAX_MOM",
+    "DECAY_MOM_RATE",
+    "WARMUP_MIN_LR",
+    "WARMUP_MAX_LR",
+    "WARMUP_NUM_STEPS",
+    "WARMUP_TYPE",
+    "WARMUP_LOG_RATE",
+    "WARMUP_LINEAR_RATE",
+    "WARMUP_TYPES",
+    "WARMUP_MIN_RATIO",
+    "COS_MIN_RATIO",
+    "TOTAL_NUM_STEPS",
 ]

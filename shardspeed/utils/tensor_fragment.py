@@ -8,9 +8,11 @@ partitioned (stages 1-3): every rank must call them, in the same order. "Local" 
 act on this rank's piece only: the whole parameter for stage 0, a 1-D slice of the flattened
 parameter for stages 1-3 (possibly empty).
 
-Windows of validity follow DeepSpeed: gradients exist after ``backward`` (at the accumulation
-boundary) and before ``step``; master weights and optimizer state at any time after
-``initialize`` (optimizer state after the first step).
+Windows of validity follow DeepSpeed: reduced gradients exist after ``backward`` (at the
+accumulation boundary) and before ``step``, and before the reduction ``safe_get_full_grad``
+gives the gradient this rank accumulated (DeepSpeed's ``param.grad`` at stages 0-1); master
+weights and optimizer state at any time after ``initialize`` (optimizer state after the first
+step).
 """
 
 from __future__ import annotations
@@ -107,9 +109,15 @@ def safe_get_full_fp32_param(param: nn.Parameter) -> Tensor | None:
 
 
 def safe_get_full_grad(param: nn.Parameter) -> Tensor | None:
-    """The full reduced gradient of ``param``, in the gradient-accumulation dtype."""
+    """The full reduced gradient of ``param``, in the gradient-accumulation dtype; before the
+    reduction (inside ``engine.no_sync()``, or before the accumulation boundary) the gradient
+    this rank accumulated, as DeepSpeed returns ``param.grad`` then (no collective)."""
     fragment = _fragment(param)
-    return None if fragment is None else _assemble(param, fragment, _grad_piece(param, fragment))
+    if fragment is None:
+        return None
+    if fragment.grad is None and fragment.local_grad is not None:
+        return fragment.local_grad.detach().clone().view(param.shape)
+    return _assemble(param, fragment, _grad_piece(param, fragment))
 
 
 @_state_resident

@@ -50,7 +50,9 @@ def _run(*args: str | Path, cwd: Path, env: dict[str, str] | None = None) -> str
 
 def _make_venv(venv: Path) -> Path:
     """A venv without pip whose Python also sees this environment's site-packages (after its own)."""
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60)
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60
+    )
     python = venv / "bin" / "python"
     own = _run(python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))", cwd=venv)
     parents = [d for d in site.getsitepackages() if Path(d).is_dir()]

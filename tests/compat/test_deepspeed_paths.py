@@ -38,10 +38,10 @@ def test_runner_hostfile_and_filter() -> None:
     with pytest.raises(HostfileError):
         runner._parse_hostfile(["worker-0 slots=two"])
     pool = {host: list(range(n)) for host, n in hosts.items()}
-    assert runner.parse_resource_filter(pool, include="worker-1:1,3") == {"worker-1": [1, 3]}
-    assert runner.parse_resource_filter(pool, exclude="worker-1") == {"worker-0": [0, 1]}
+    assert runner.parse_resource_filter(pool, include_str="worker-1:1,3") == {"worker-1": [1, 3]}
+    assert runner.parse_resource_filter(pool, exclude_str="worker-1") == {"worker-0": [0, 1]}
     with pytest.raises(ValueError, match="mutually exclusive"):
-        runner.parse_resource_filter(pool, include="worker-0", exclude="worker-1")
+        runner.parse_resource_filter(pool, include_str="worker-0", exclude_str="worker-1")
 
 
 def test_zero_runtime_exception() -> None:

@@ -87,6 +87,7 @@ EVERY_SECTION: dict[str, Any] = {
     "gradient_clipping": 1.0,
     "prescale_gradients": False,
     "gradient_predivide_factor": 2.0,
+    "gradient_allreduce_op": "mean",
     "communication_data_type": "bf16",
     "seq_parallel_communication_data_type": "fp16",
     "sparse_gradients": False,

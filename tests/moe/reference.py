@@ -75,7 +75,21 @@ def reference_gating(
 
     # keep decisions and buffer locations, slot (token, j) -> location or None
     location: dict[tuple[int, int], int] = {}
-    if kind != "topk":
+    if kind == "top1" and drop_tokens:
+        # DeepSpeed's top-1 rule: each expert keeps the tokens torch.topk returns over the
+        # token axis of the 0/1 routing mask (its order among equal ones, not the earliest)
+        mask = torch.zeros(num_tokens, num_experts, dtype=torch.long)
+        for s in range(num_tokens):
+            if used[s]:
+                mask[s, choices[s][0]] = 1
+        picked = torch.topk(mask, min(capacity, num_tokens), dim=0).indices
+        fill = [0] * num_experts
+        for s in range(num_tokens):
+            e = choices[s][0]
+            if used[s] and s in picked[:, e].tolist():
+                location[(s, 0)] = fill[e]
+                fill[e] += 1
+    elif kind != "topk":
         fill = [0] * num_experts
         for j in range(k):  # all first choices are placed before any second choice
             for s in range(num_tokens):

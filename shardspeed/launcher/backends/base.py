@@ -6,6 +6,7 @@ A backend turns a :class:`LaunchPlan` into the argv of one local process (``pdsh
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import sys
@@ -68,12 +69,24 @@ def rendezvous_env(plan: LaunchPlan) -> dict[str, str]:
 
 
 class MultiNodeRunner(ABC):
-    """Builds and describes the command that starts a job on several nodes."""
+    """Builds and describes the command that starts a job on several nodes.
+
+    ``MultiNodeRunner(args, world_info_base64)`` is DeepSpeed's constructor: the parsed launcher
+    arguments and the encoded world info are kept as attributes (as are ``user_script`` and
+    ``user_arguments``), and both may be left out: the command itself is built from a
+    :class:`LaunchPlan`.
+    """
 
     name: str = ""
     binary: str = ""
 
-    def __init__(self) -> None:
+    def __init__(
+        self, args: argparse.Namespace | None = None, world_info_base64: str | None = None
+    ) -> None:
+        self.args = args
+        self.world_info_base64 = world_info_base64
+        self.user_script: str | None = getattr(args, "user_script", None)
+        self.user_arguments: list[str] = list(getattr(args, "user_args", None) or [])
         self.exports: dict[str, str] = {}
         """Variables added with :meth:`add_export`, exported to every rank (DeepSpeed's API)."""
 
@@ -112,6 +125,21 @@ class MultiNodeRunner(ABC):
     def get_env(self, plan: LaunchPlan, environ: Mapping[str, str]) -> dict[str, str]:
         """The environment of the backend process itself (the launching machine's, by default)."""
         return dict(environ)
+
+
+class PooledRunner(MultiNodeRunner):
+    """A backend DeepSpeed constructs with the hostfile's pool too (the MPI runners and Slurm):
+    ``Runner(args, world_info_base64, resource_pool)``, ``resource_pool`` being ``{host: slot
+    count}``; kept as an attribute."""
+
+    def __init__(
+        self,
+        args: argparse.Namespace | None = None,
+        world_info_base64: str | None = None,
+        resource_pool: Mapping[str, int] | None = None,
+    ) -> None:
+        super().__init__(args, world_info_base64)
+        self.resource_pool = dict(resource_pool or {})
 
 
 def require_prefix_slots(plan: LaunchPlan, name: str) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from shardspeed.launcher.backends.base import (
     LaunchPlan,
-    MultiNodeRunner,
+    PooledRunner,
     rank_program,
     rendezvous_env,
     require_prefix_slots,
@@ -17,7 +17,7 @@ from shardspeed.launcher.backends.base import (
 )
 
 
-class HydraRunner(MultiNodeRunner):
+class HydraRunner(PooledRunner):
     """``mpirun -n W -ppn P -hosts h1,h2 [args] -genv K V ... python -u script args``."""
 
     binary = "mpirun"

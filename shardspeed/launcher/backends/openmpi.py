@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from shardspeed.launcher.backends.base import (
     LaunchPlan,
-    MultiNodeRunner,
+    PooledRunner,
     rank_program,
     rendezvous_env,
     require_prefix_slots,
@@ -18,7 +18,7 @@ from shardspeed.launcher.backends.base import (
 from shardspeed.launcher.constants import OPENMPI_LAUNCHER
 
 
-class OpenMPIRunner(MultiNodeRunner):
+class OpenMPIRunner(PooledRunner):
     """``mpirun -n W --host h1:n1,h2:n2 [args] -x K=V ... python -u script args``."""
 
     name = OPENMPI_LAUNCHER

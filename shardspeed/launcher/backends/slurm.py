@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from shardspeed.launcher.backends.base import (
     LaunchPlan,
-    MultiNodeRunner,
+    PooledRunner,
     rank_program,
     rendezvous_env,
     require_prefix_slots,
@@ -18,7 +18,7 @@ from shardspeed.launcher.backends.base import (
 from shardspeed.launcher.constants import SLURM_LAUNCHER
 
 
-class SlurmRunner(MultiNodeRunner):
+class SlurmRunner(PooledRunner):
     """``srun -n W -N nodes --ntasks-per-node P -w h1,h2 --export=ALL,K=V [args] python -u ...``."""
 
     name = SLURM_LAUNCHER

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from shardspeed.config import DeepSpeedConfig
+from shardspeed.runtime.activation_checkpointing import checkpointing
 from shardspeed.runtime.engine_parts import EngineParts
 from shardspeed.runtime.pipe.grad_norm import PipeGradNormReducer, duplicate_squares
 from shardspeed.runtime.pipe.module import PipelineModule
@@ -41,6 +42,10 @@ def check_pipeline_config(config: DeepSpeedConfig, model: PipelineModule) -> Non
         )
     if section.activation_checkpoint_interval > 0:
         model.activation_checkpoint_interval = section.activation_checkpoint_interval
+    if not section.use_reentrant:
+        # also when the interval is 0 here: set_checkpoint_interval() may turn it on later
+        model.activation_checkpoint_func = checkpointing.non_reentrant_checkpoint
+    model._precompute_checkpointable_values()
     if section.seed_layers:
         model.seed_layers = True
     if model.mpu().get_slice_parallel_world_size() > 1 and (

@@ -14,10 +14,14 @@ reduction); at the end of the batch the tied weights' gradients are summed over 
 (:class:`ReduceGrads`), then the optimizer steps with the global norm taken over every stage
 (:class:`~.grad_norm.PipeGradNormReducer`).
 
-Errors a rank finds in the middle of a schedule (a last stage whose output is not a loss) do not
-stop it there, where its neighbours would wait for it forever: it finishes the schedule with a
-zero loss and every rank raises together before the optimizer step. A data iterator is read for
-the whole batch before the schedule starts, and every rank learns whether it ran dry.
+Errors do not stop a rank where its neighbours would wait for it forever (:mod:`.failure`): a
+data iterator is read for the whole batch before the schedule starts, and every rank learns
+whether reading failed on any stage; an exception in a forward or backward pass (or a last
+stage whose output is not a loss) is recorded, the stage finishes the schedule sending zeros or
+"absent" markers, and every rank raises together before the optimizer step.
+
+Data: with ``training_data`` the first and last stages read DeepSpeed's pipeline loader, each
+data-parallel rank's shard in order (no shuffle) and repeating (``RepeatingLoader``).
 """
 
 from __future__ import annotations
@@ -29,16 +33,20 @@ from types import ModuleType
 from typing import Any, ClassVar
 
 import torch
+from torch.utils.data.distributed import DistributedSampler
 
 from shardspeed import comm
+from shardspeed.runtime.activation_checkpointing import checkpointing
 from shardspeed.runtime.engine import DeepSpeedEngine
 from shardspeed.runtime.engine_parts import EngineParts
 from shardspeed.runtime.pipe import checkpoint as pipe_checkpoint
 from shardspeed.runtime.pipe import schedule
+from shardspeed.runtime.pipe.failure import StageFailure
 from shardspeed.runtime.pipe.module import PipelineError, PipelineModule
 from shardspeed.runtime.pipe.p2p import MessageMeta, P2PChannel
 from shardspeed.runtime.precision.autocast import autocast_if_enabled
 from shardspeed.runtime.zero.records import record_of
+from shardspeed.utils.loaders import RepeatingLoader
 
 __all__ = ["PipelineEngine", "PipelineError"]
 
@@ -55,12 +63,27 @@ def _tensors(message: Any) -> tuple[torch.Tensor, ...]:
     return message if isinstance(message, tuple) else (message,)
 
 
+def _requiring_grad(inputs: Any) -> Any:
+    """Copies of the floating-point tensors among ``inputs`` that require grad (the caller's
+    tensors are left alone)."""
+    if isinstance(inputs, torch.Tensor):
+        return inputs.detach().clone().requires_grad_(inputs.is_floating_point())
+    if isinstance(inputs, tuple):
+        return tuple(_requiring_grad(x) for x in inputs)
+    return inputs
+
+
 def _inputs_of(batch: Any) -> Any:
     """The inputs of an ``(inputs, labels)`` micro-batch, as the first stage receives them."""
     if isinstance(batch, tuple | list) and len(batch) == 2:
         inputs = batch[0]
         return tuple(inputs) if isinstance(inputs, list) else inputs
     return ()
+
+
+#: instructions that run user code (layers, the loss, autograd): a failure there is recorded
+#: and the schedule goes on, so the neighbours are not left waiting
+_COMPUTE = (schedule.LoadMicroBatch, schedule.ForwardPass, schedule.BackwardPass)
 
 
 class ActivationMeter:
@@ -116,13 +139,24 @@ class PipelineEngine(DeepSpeedEngine):
         self.instruction_seconds: dict[str, float] = {}
         self.agg_train_loss: torch.Tensor | None = None
         self.first_output_send = True
-        self._error: str | None = None
+        self._failure = StageFailure(self.stage_id, self.device)
         self._batch: list[Any] = []
         #: shapes and dtypes of the last batch's inputs (first stage), to notice a change
         self._input_shapes: Any = None
         self._reset_buffers(0)
-        if self.training_dataloader is not None and (self.is_first_stage() or self.is_last_stage()):
-            self.set_dataiterator(iter(self.training_dataloader))
+        if self.training_dataloader is not None:
+            self._build_data_iter(self.training_dataloader.dataloader.dataset)
+
+    def _build_data_iter(self, dataset: Any) -> None:
+        """DeepSpeed's pipeline loader: this data-parallel rank's shard in order (a pipeline
+        does not shuffle), restarting when exhausted."""
+        sampler: DistributedSampler[Any] = DistributedSampler(
+            dataset,
+            num_replicas=self.grid.get_data_parallel_world_size(),
+            rank=self.grid.get_data_parallel_rank(),
+            shuffle=False,
+        )
+        self.set_dataloader(RepeatingLoader(self.deepspeed_io(dataset, data_sampler=sampler)))
 
     # -- the verbs a pipeline does not have ---------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -147,9 +181,28 @@ class PipelineEngine(DeepSpeedEngine):
     def is_last_stage(self) -> bool:
         return self.stage_id == self.num_stages - 1
 
-    def set_dataiterator(self, iterator: Iterator[Any]) -> None:
-        """Read micro-batches from ``iterator`` (first and last stage; others ignore it)."""
-        self.data_iterator = iterator
+    def set_dataloader(self, loader: Any) -> None:
+        """Read micro-batches from ``loader`` from now on (first and last stage only)."""
+        if self.is_first_stage() or self.is_last_stage():
+            self.training_dataloader = loader
+            self.data_iterator = iter(loader)
+
+    def set_dataiterator(self, iterator: Iterator[Any] | None) -> None:
+        """Read micro-batches from ``iterator`` (first and last stage only; it replaces the
+        training loader there, as in DeepSpeed)."""
+        if self.is_first_stage() or self.is_last_stage():
+            self.training_dataloader = None
+            self.data_iterator = iterator
+
+    def _reentrant_activation_checkpointing(self) -> bool:
+        """Whether the stage's forward checkpoints activations with the reentrant function;
+        the first stage's floating-point inputs then require grad, as DeepSpeed marks them
+        (shardspeed's reentrant checkpoint would not need it: it anchors the block itself)."""
+        module = self.pipe_module
+        return (
+            module.activation_checkpoint_interval > 0
+            and module.activation_checkpoint_func is not checkpointing.non_reentrant_checkpoint
+        )
 
     def set_batch_fn(self, fn: Callable[[Any], Any]) -> None:
         """Apply ``fn`` to every micro-batch read, before it is split into inputs and labels."""
@@ -216,6 +269,8 @@ class PipelineEngine(DeepSpeedEngine):
         the last stage's outputs of the last micro-batch (None on other stages)."""
         if reduce_output not in ("avg", None):
             raise ValueError(f"reduce_output={reduce_output!r}: use 'avg' or None")
+        # DeepSpeed evaluates from data_iter and then trains on from where it was
+        train_loader, train_iterator = self.training_dataloader, self.data_iterator
         self.set_dataiterator(data_iter)
         was_training = self.module.training
         self.module.eval()
@@ -231,7 +286,9 @@ class PipelineEngine(DeepSpeedEngine):
         finally:
             self._compute_loss = True
             self.module.train(was_training)
-        self._agree_no_error("eval_batch")
+            if self.is_first_stage() or self.is_last_stage():
+                self.training_dataloader, self.data_iterator = train_loader, train_iterator
+        self._failure.agree("eval_batch")
         output: Any = None
         if compute_loss:
             if reduce_output == "avg":
@@ -246,35 +303,47 @@ class PipelineEngine(DeepSpeedEngine):
         """Read the batch's ``count`` micro-batches now (first and last stage), so a data
         iterator that runs dry is found on every rank before any transfer starts."""
         self._batch = []
-        failure = ""
+        self._failure.clear()
         if self.is_first_stage() or self.is_last_stage():
-            if self.data_iterator is None:
-                failure = (
-                    "no data iterator: pass train_batch(data_iter=...) / eval_batch(data_iter) "
-                    "or training_data= to initialize()"
-                )
-            else:
-                try:
-                    for _ in range(count):
-                        batch = next(self.data_iterator)
-                        if self.batch_fn is not None:
-                            batch = self.batch_fn(batch)
-                        self._batch.append(batch)
-                except StopIteration:
-                    failure = (
-                        f"the data iterator ran dry after {len(self._batch)} of the batch's "
-                        f"{count} micro-batches (gradient_accumulation_steps); wrap the loader "
-                        "in shardspeed.utils.RepeatingLoader or give it enough batches"
-                    )
-        self._error = failure or None
-        shape_change = self._input_shape_change() if not failure else 0
-        shape_change = self._agree_no_error("reading the batch", shape_change)
+            self._read_batch(count)
+        shape_change = self._input_shape_change() if not self._failure.failed else 0
+        shape_change = self._failure.agree("reading the batch", shape_change)
         # the first stage's inputs decide every activation's shape: when they change, every
         # rank describes its messages again (and for each message while they vary in a batch)
         if shape_change:
             self.channel.reset()
         self.channel.describe_always = shape_change == 2
         self._batch.reverse()
+
+    def _read_batch(self, count: int) -> None:
+        """Read ``count`` micro-batches into ``self._batch``; a failure of any kind (the
+        iterator, ``batch_fn``, a micro-batch that is not a pair) is recorded, not raised,
+        so the other stages learn of it instead of waiting in the agreement."""
+        if self.data_iterator is None:
+            self._failure.record(
+                "no data iterator: pass train_batch(data_iter=...) / eval_batch(data_iter) "
+                "or training_data= to initialize()"
+            )
+            return
+        try:
+            for index in range(count):
+                batch = next(self.data_iterator)
+                if self.batch_fn is not None:
+                    batch = self.batch_fn(batch)
+                if not isinstance(batch, tuple | list) or len(batch) != 2:
+                    raise PipelineError(
+                        f"micro-batch {index}: a pipeline micro-batch must be a pair (inputs, "
+                        f"labels); got {type(batch).__name__}"
+                    )
+                self._batch.append(batch)
+        except StopIteration:
+            self._failure.record(
+                f"the data iterator ran dry after {len(self._batch)} of the batch's {count} "
+                "micro-batches (gradient_accumulation_steps); wrap the loader in "
+                "shardspeed.utils.RepeatingLoader or give it enough batches"
+            )
+        except Exception as exc:  # noqa: BLE001 - every stage must hear of any failure
+            self._failure.record_exception(exc, f"reading micro-batch {len(self._batch)}")
 
     def _input_shape_change(self) -> int:
         """On the first stage: 0 if the batch's inputs have the shapes of the last batch's, 1
@@ -289,27 +358,6 @@ class PipelineEngine(DeepSpeedEngine):
             return 2
         previous, self._input_shapes = self._input_shapes, next(iter(shapes), None)
         return int(previous is not None and previous != self._input_shapes)
-
-    def _agree_no_error(self, where: str, note: int = 0) -> int:
-        """Every rank learns whether any rank hit an error (one small all-reduce); if one did,
-        every rank raises with the failing ranks' messages. Also agrees on the largest
-        ``note`` any rank passed, and returns it."""
-        flag = torch.tensor([1.0 if self._error else 0.0, float(note)], device=self.device)
-        if comm.get_world_size() > 1:
-            comm.all_reduce(flag, op=comm.ReduceOp.MAX)
-        if flag[0].item() == 0:
-            return int(flag[1].item())
-        messages: list[Any] = [self._error]
-        if comm.get_world_size() > 1:
-            messages = [None] * comm.get_world_size()
-            comm.all_gather_object(messages, self._error)
-        self._error = None
-        found = "; ".join(
-            f"rank {rank}: {message}" for rank, message in enumerate(messages) if message
-        )
-        raise PipelineError(
-            f"{where} stopped on every rank (this is stage {self.stage_id}): {found}"
-        )
 
     # -- the executor -----------------------------------------------------------------------
     def _reset_buffers(self, count: int) -> None:
@@ -334,29 +382,34 @@ class PipelineEngine(DeepSpeedEngine):
                         f"PipelineEngine has no handler for instruction {type(cmd).__name__}"
                     )
                 start = time.perf_counter()
-                handler(self, cmd)
+                try:
+                    handler(self, cmd)
+                except Exception as exc:
+                    if not isinstance(cmd, _COMPUTE):
+                        raise
+                    # the neighbours wait on this stage: keep to the schedule, raise later
+                    self._failure.record_exception(exc, f"{cmd!r}")
+                    for key in ("outputs", "loss"):
+                        self.pipe_buffers[key][cmd.buffer_id] = None
                 times[cmd.name] = times.get(cmd.name, 0.0) + time.perf_counter() - start
         self.channel.wait_sends()
         self._reset_buffers(0)
 
     def _exec_load_micro_batch(self, cmd: schedule.LoadMicroBatch) -> None:
-        batch = self._batch.pop()
-        if not isinstance(batch, tuple | list) or len(batch) != 2:
-            raise PipelineError(
-                "a pipeline micro-batch must be a pair (inputs, labels); got "
-                f"{type(batch).__name__}"
-            )
-        inputs, labels = batch
+        inputs, labels = self._batch.pop()
         if self.is_first_stage():
-            self.pipe_buffers["inputs"][cmd.buffer_id] = _to_device(
-                tuple(inputs) if isinstance(inputs, list) else inputs, self.device
-            )
+            inputs = _to_device(tuple(inputs) if isinstance(inputs, list) else inputs, self.device)
+            if self._training and self._reentrant_activation_checkpointing():
+                inputs = _requiring_grad(inputs)
+            self.pipe_buffers["inputs"][cmd.buffer_id] = inputs
         if self.is_last_stage():
             self.pipe_buffers["labels"][cmd.buffer_id] = _to_device(labels, self.device)
 
     def _exec_forward_pass(self, cmd: schedule.ForwardPass) -> None:
         buffer = cmd.buffer_id
         inputs = self.pipe_buffers["inputs"][buffer]
+        if inputs is None or self._failure.failed:
+            return  # a stage failed this batch: nothing to compute, the sends stand in
         policy = self.precision
         with autocast_if_enabled(
             policy.autocast_enabled,
@@ -376,45 +429,49 @@ class PipelineEngine(DeepSpeedEngine):
                 return
         loss = self._loss(outputs, self.pipe_buffers["labels"][buffer])
         self.pipe_buffers["loss"][buffer] = loss
-        self._losses.append(loss.detach().float().reshape(()))
+        if loss is not None:
+            self._losses.append(loss.detach().float().reshape(()))
 
-    def _loss(self, outputs: Any, labels: Any) -> torch.Tensor:
+    def _loss(self, outputs: Any, labels: Any) -> torch.Tensor | None:
         loss_fn = self.pipe_module.loss_fn
         loss = loss_fn(outputs, labels) if loss_fn is not None else outputs
         if isinstance(loss, torch.Tensor) and loss.numel() == 1:
             return loss
-        self._error = (
+        self._failure.record(
             "the last stage's output is not a scalar loss and the PipelineModule has no "
             "loss_fn; pass loss_fn=<fn(outputs, labels) -> loss> to PipelineModule"
         )
-        # finish the schedule with a zero loss (the other stages wait on this one); every rank
-        # raises before the optimizer step
-        floats = [t for t in _tensors(outputs) if t.is_floating_point()]
-        return sum((t.float().sum() * 0.0 for t in floats), torch.zeros((), device=self.device))
+        return None
 
     def _exec_backward_pass(self, cmd: schedule.BackwardPass) -> None:
         buffer = self.pipe_buffers
+        loss, outputs = buffer["loss"][cmd.buffer_id], buffer["outputs"][cmd.buffer_id]
+        grads = buffer["output_grads"][cmd.buffer_id]
+        for key in ("outputs", "output_grads", "loss", "labels"):
+            buffer[key][cmd.buffer_id] = None
+        if self._failure.failed or (loss if self.is_last_stage() else outputs) is None:
+            return  # the batch will be dropped: the input gradients sent back are zeros
         self.strategy.begin_backward(reduce=False)
-        if self.is_last_stage():
-            loss = buffer["loss"][cmd.buffer_id] / self.micro_batches
-            self._optim.scale_loss(loss).backward()
-        else:
-            outputs = [t for t in _tensors(buffer["outputs"][cmd.buffer_id]) if t.requires_grad]
-            grads = buffer["output_grads"][cmd.buffer_id]
-            if outputs:
-                torch.autograd.backward(tensors=outputs, grad_tensors=grads)
-        self.strategy.end_backward()
-        buffer["outputs"][cmd.buffer_id] = None
-        buffer["output_grads"][cmd.buffer_id] = None
-        buffer["loss"][cmd.buffer_id] = None
-        buffer["labels"][cmd.buffer_id] = None
+        try:
+            if self.is_last_stage():
+                self._optim.scale_loss(loss / self.micro_batches).backward()
+            else:
+                requiring = [t for t in _tensors(outputs) if t.requires_grad]
+                if requiring:
+                    torch.autograd.backward(tensors=requiring, grad_tensors=grads)
+        finally:
+            self.strategy.end_backward()
 
     def _exec_send_activations(self, cmd: schedule.SendActivation) -> None:
         outputs = self.pipe_buffers["outputs"][cmd.buffer_id]
-        sent, error = self.channel.send_activations(outputs, self._next_rank, self._training)
-        if error is not None:  # zeros went instead: finish the batch, then stop everywhere
-            self._error = self._error or error
+        if outputs is None:  # this stage failed or received nothing: stand in for the message
+            sent = self.channel.send_missing(self._next_rank, self._training)
             self.pipe_buffers["outputs"][cmd.buffer_id] = sent
+        else:
+            sent, error = self.channel.send_activations(outputs, self._next_rank, self._training)
+            if error is not None:  # zeros went instead: finish the batch, then stop everywhere
+                self._failure.record(error)
+                self.pipe_buffers["outputs"][cmd.buffer_id] = sent
         self.first_output_send = False
         if not self._training:
             self.pipe_buffers["outputs"][cmd.buffer_id] = None
@@ -426,14 +483,17 @@ class PipelineEngine(DeepSpeedEngine):
 
     def _exec_send_grads(self, cmd: schedule.SendGrad) -> None:
         inputs = self.pipe_buffers["inputs"][cmd.buffer_id]
-        meta: MessageMeta = self.pipe_buffers["meta"][cmd.buffer_id]
-        grads = [t.grad for t in _tensors(inputs) if t.requires_grad]
-        self.channel.send_grads(grads, meta, self._prev_rank)
+        meta: MessageMeta | None = self.pipe_buffers["meta"][cmd.buffer_id]
+        if meta is not None:  # None: the message was absent, so no gradient is expected
+            grads = [t.grad for t in _tensors(inputs) if t.requires_grad]
+            self.channel.send_grads(grads, meta, self._prev_rank)
         self.pipe_buffers["inputs"][cmd.buffer_id] = None
         self.pipe_buffers["meta"][cmd.buffer_id] = None
 
     def _exec_recv_grads(self, cmd: schedule.RecvGrad) -> None:
         outputs = self.pipe_buffers["outputs"][cmd.buffer_id]
+        if outputs is None:  # nothing was sent (an "absent" marker): nothing comes back
+            return
         self.pipe_buffers["output_grads"][cmd.buffer_id] = self.channel.recv_grads(
             outputs, self._next_rank
         )
@@ -456,8 +516,8 @@ class PipelineEngine(DeepSpeedEngine):
     def _exec_optimizer_step(self, cmd: schedule.OptimizerStep) -> None:
         del cmd
         try:
-            self._agree_no_error("train_batch")
-        except PipelineError:
+            self._failure.agree("train_batch")
+        except BaseException:
             self._optim.zero_grad()  # the failed batch's gradients must not reach the next
             raise
         applied = self._optim.step()

@@ -40,6 +40,10 @@ class PipelineError(Exception):
     """Errors related to the use of pipeline parallelism (DeepSpeed's class)."""
 
 
+class InvalidIntervalError(ValueError, AssertionError):
+    """A negative checkpoint interval (DeepSpeed asserts ``interval >= 0``)."""
+
+
 def _count_params(layer: Any) -> int:
     if isinstance(layer, LayerSpec):
         with torch.device("meta"):  # counted without allocating: another stage may own it
@@ -105,6 +109,10 @@ class PipelineModule(nn.Module):
         self.base_seed = base_seed
         self.activation_checkpoint_interval = activation_checkpoint_interval
         self.activation_checkpoint_func = activation_checkpoint_func
+        #: whether each block of ``activation_checkpoint_interval`` layers is checkpointed,
+        #: for the interval in ``is_checkpointable_results_interval`` (DeepSpeed's cache)
+        self.is_checkpointable_results: list[bool] = []
+        self.is_checkpointable_results_interval: int | None = None
         self.checkpointable_layers = checkpointable_layers
         self.dynamic_shape = dynamic_shape
         self.micro_offset = 0
@@ -215,9 +223,42 @@ class PipelineModule(nn.Module):
         return run
 
     def _is_checkpointable(self, funcs: list[Callable[..., Any]]) -> bool:
+        """Whether a block of layers is checkpointed: DeepSpeed's rule (GPT pipes under the
+        reentrant function only their transformer layers, else ``checkpointable_layers`` by
+        class name, else any block with parameters)."""
+        names = [type(f).__name__ for f in funcs]
+        if self.activation_checkpoint_func is not checkpointing.non_reentrant_checkpoint and (
+            type(self).__name__ in ("GPTModelPipe", "GPT2ModelPipe")
+        ):
+            extra = self.checkpointable_layers or []
+            return all("ParallelTransformerLayerPipe" in n or n in extra for n in names)
         if self.checkpointable_layers is not None:
-            return all(type(f).__name__ in self.checkpointable_layers for f in funcs)
+            return all(n in self.checkpointable_layers for n in names)
         return any(isinstance(f, nn.Module) and any(True for _ in f.parameters()) for f in funcs)
+
+    def _precompute_checkpointable_values(self) -> None:
+        """Decide once per interval which blocks of layers are checkpointed
+        (``is_checkpointable_results``); nothing to do when checkpointing is off or the
+        results are for the current interval already."""
+        interval = self.activation_checkpoint_interval
+        if interval <= 0 or self.is_checkpointable_results_interval == interval:
+            return
+        count = len(self.forward_funcs)
+        self.is_checkpointable_results = [
+            self._is_checkpointable(self.forward_funcs[start : min(start + interval, count)])
+            for start in range(0, count, interval)
+        ]
+        self.is_checkpointable_results_interval = interval
+
+    def set_checkpoint_interval(self, interval: int) -> None:
+        """Checkpoint activations every ``interval`` layers from now on (0 turns it off)."""
+        if interval < 0:
+            raise InvalidIntervalError(
+                f"set_checkpoint_interval({interval}): the interval must be >= 0 (0 disables "
+                "activation checkpointing)"
+            )
+        self.activation_checkpoint_interval = interval
+        self._precompute_checkpointable_values()
 
     def forward(self, forward_input: Any) -> Any:
         """Run this stage's layers on ``forward_input`` (activation-checkpointed every
@@ -227,15 +268,13 @@ class PipelineModule(nn.Module):
         interval = self.activation_checkpoint_interval
         if interval == 0 or not torch.is_grad_enabled():
             return self._exec_range(0, count)(forward_input)
+        self._precompute_checkpointable_values()  # the interval may have been set directly
         x = forward_input
-        for start in range(0, count, interval):
-            end = min(start + interval, count)
-            run = self._exec_range(start, end)
+        starts = range(0, count, interval)
+        for start, checkpointed in zip(starts, self.is_checkpointable_results, strict=True):
+            run = self._exec_range(start, min(start + interval, count))
             args = x if isinstance(x, tuple) else (x,)
-            if self._is_checkpointable(self.forward_funcs[start:end]):
-                x = self.activation_checkpoint_func(run, *args)
-            else:
-                x = run(*args)
+            x = self.activation_checkpoint_func(run, *args) if checkpointed else run(*args)
         return x
 
     # -- DeepSpeed's queries ---------------------------------------------------------------
@@ -247,6 +286,10 @@ class PipelineModule(nn.Module):
 
     def num_pipeline_stages(self) -> int:
         return self.num_stages
+
+    def partitions(self) -> list[int]:
+        """The layer boundaries of the stages: stage ``s`` holds ``parts[s] .. parts[s+1]-1``."""
+        return self.parts
 
     def stage_owner(self, layer_idx: int) -> int:
         """The stage holding global layer ``layer_idx``."""

@@ -13,6 +13,11 @@ message no longer matches the cached description refuses to send (the receiver w
 wrong sizes). Gradients need no description: they have the shapes of the
 activations that required grad, in the same order.
 
+A stage that failed earlier in the batch still sends what its neighbour waits for
+(:meth:`P2PChannel.send_missing`): zeros of the cached description, or, with no description to
+follow, the "absent" marker, a description of length 0; a receiver of the marker gets None,
+passes the absence on and sends no gradient back.
+
 Sends are asynchronous (``isend``): a stage goes on computing while its neighbour has not yet
 reached the matching receive (gloo and NCCL hold a large send until then). The channel keeps
 each message alive until its send completes; :meth:`P2PChannel.wait_sends` waits for all of
@@ -215,14 +220,31 @@ class P2PChannel:
             self._send(tensor.detach() if error else tensor, dst)
         return message, error
 
-    def recv_activations(self, src: int, training: bool) -> tuple[Any, MessageMeta]:
+    def send_missing(self, dst: int, training: bool) -> Any:
+        """Stand in for a message this stage could not compute (it failed earlier in the
+        batch), so ``dst`` does not wait forever: zeros of the cached description, which are
+        returned (their gradients come back), or, with no description to follow, the "absent"
+        marker (a description of length 0; the receiver gets None and no gradient returns)."""
+        cached = self._sent.get((dst, training))
+        if cached is None or self.dynamic_shape or self.describe_always:
+            self._send(torch.zeros(1, dtype=torch.int64, device=self.device), dst)
+            return None
+        placeholder = cached.placeholder(self.device, training)
+        for tensor in placeholder if isinstance(placeholder, tuple) else (placeholder,):
+            self._send(tensor.detach(), dst)
+        return placeholder
+
+    def recv_activations(self, src: int, training: bool) -> tuple[Any, MessageMeta | None]:
         """The message from ``src`` (tensors that required grad there require grad here, as
-        leaves whose ``.grad`` goes back) and its description."""
+        leaves whose ``.grad`` goes back) and its description; ``(None, None)`` when ``src``
+        sent the "absent" marker (:meth:`send_missing`)."""
         key = (src, training)
         meta = self._received.get(key)
         if meta is None or self.dynamic_shape or self.describe_always:
             length = torch.zeros(1, dtype=torch.int64, device=self.device)
             comm.recv(length, src)
+            if int(length.item()) == 0:
+                return None, None
             encoded = torch.zeros(int(length.item()), dtype=torch.int64, device=self.device)
             comm.recv(encoded, src)
             meta = MessageMeta.decode(encoded.tolist())

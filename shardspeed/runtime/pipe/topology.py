@@ -102,12 +102,34 @@ class PipeModelDataParallelTopology(ProcessTopology):
         super().__init__(axes=["pipe", "data", "model"], dims=[num_pp, num_dp, num_mp])
 
 
+def _prime_factors(N: int) -> list[int]:
+    """The prime factors of ``N`` in ascending order, repeated by multiplicity (``[]`` for 1)."""
+    if N <= 0:
+        raise ValueError(f"_prime_factors({N}): values must be strictly positive")
+    primes: list[int] = []
+    candidate = 2
+    while N > 1:
+        while N % candidate == 0:
+            primes.append(candidate)
+            N //= candidate
+        candidate += 1
+    return primes
+
+
+class InvalidGridError(ValueError, AssertionError):
+    """The topology's rank count is not the world size (DeepSpeed asserts "Invalid Grid")."""
+
+
 class PipelineParallelGrid:
     """This rank's place in a pipeline grid and its process groups: the ``mpu`` object
     DeepSpeed hands to Megatron-style code (data-, pipe-, model- and slice-parallel queries).
 
-    ``model`` parallelism here is every axis but ``data`` (pipeline stages times tensor
-    slices), as DeepSpeed counts it: the ranks that together hold one copy of the model.
+    As in DeepSpeed, ``dp_group`` / ``pp_group`` / ``slice_group`` are this rank's rank lists
+    and ``dp_proc_group`` / ``pp_proc_group`` / ``slice_proc_group`` the process groups;
+    ``model_parallel_size`` is the ``model`` (tensor-slice) axis, while the model-parallel
+    *group* of :meth:`get_model_parallel_group` is every rank with this rank's data coordinate
+    (pipeline stages times tensor slices: the ranks that together hold one copy of the model).
+    Without a topology the world's prime factors are dealt alternately to pipe and data.
     Every rank must build the same grids in the same order (they create process groups).
     """
 
@@ -116,45 +138,75 @@ class PipelineParallelGrid:
         self.global_rank = comm.get_rank()
         self.world_size = comm.get_world_size()
         if topology is None:
-            topology = PipeDataParallelTopology(num_pp=1, num_dp=self.world_size)
-        if topology.world_size() != self.world_size:
-            raise ValueError(
+            pp, dp = 1, 1
+            for index, prime in enumerate(_prime_factors(self.world_size)):
+                if index % 2 == 0:
+                    pp *= prime
+                else:
+                    dp *= prime
+            topology = PipeDataParallelTopology(num_pp=pp, num_dp=dp)
+        self._topo = topology
+        if not self._is_grid_valid():
+            raise InvalidGridError(
                 f"the pipeline topology {dict(zip(topology.axes, topology.dims, strict=True))} "
                 f"has {topology.world_size()} ranks but the world has {self.world_size}; make "
                 "the product of its dims equal the number of processes"
             )
-        self._topo = topology
         self.data_parallel_size = max(topology.get_dim("data"), 1)
         self.pipe_parallel_size = max(topology.get_dim("pipe"), 1)
-        self.slice_parallel_size = max(topology.get_dim("model"), 1)
-        self.model_parallel_size = self.pipe_parallel_size * self.slice_parallel_size
+        self.model_parallel_size = max(topology.get_dim("model"), 1)
+        self.slice_parallel_size = self.model_parallel_size
         coord = topology.get_coord(self.global_rank)
         self.stage_id = int(getattr(coord, "pipe", 0))
         self.data_parallel_id = int(getattr(coord, "data", 0))
         self.slice_parallel_id = int(getattr(coord, "model", 0))
-        self.dp_group, self.ranks_dp = self._axis_group(lambda c: _without(c, "data"))
-        self.pp_group, self.ranks_pp = self._axis_group(lambda c: _without(c, "pipe"))
-        self.slice_group, self.ranks_slice = self._axis_group(lambda c: _without(c, "model"))
-        # model parallel: ranks that differ in anything but their data coordinate
-        self.mp_group, self.ranks_mp = self._axis_group(lambda c: _only(c, "data"))
-        self.model_parallel_id = self.ranks_mp.index(self.global_rank)
+        # model parallel (DeepSpeed's "ds_model" groups): the ranks of one data coordinate
+        self.ds_model_proc_group, ranks = self._groups_over(
+            [topology.filter_match(data=d) for d in range(self.data_parallel_size)]
+            if "data" in topology.axes
+            else [list(range(self.world_size))]
+        )
+        self.ds_model_rank = ranks.index(self.global_rank)
+        self.ds_model_world_size = len(ranks)
+        self.dp_groups = self._comm_lists("data")
+        self.dp_proc_group, self.dp_group = self._groups_over(self.dp_groups)
         self.is_first_stage = self.stage_id == 0
         self.is_last_stage = self.stage_id == self.pipe_parallel_size - 1
+        self.p2p_groups = self._build_p2p_groups()
+        self.pipe_groups = self._comm_lists("pipe")
+        self.pp_proc_group, self.pp_group = self._groups_over(self.pipe_groups)
+        self.model_groups = self._comm_lists("model")
+        self.slice_proc_group, self.slice_group = self._groups_over(self.model_groups)
 
-    def _axis_group(self, key: Any) -> tuple[Any, list[int]]:
-        """Create one group per class of ranks with the same ``key(coord)`` (every rank calls
-        ``new_group`` for every class, in the same order); returns this rank's group and ranks.
-        A class spanning the world uses the world group (None)."""
-        classes: dict[Any, list[int]] = {}
-        for rank in range(self.world_size):
-            classes.setdefault(key(self._topo.get_coord(rank)), []).append(rank)
+    def _comm_lists(self, axis: str) -> list[list[int]]:
+        """The rank lists along ``axis``; one list per rank when the grid lacks the axis."""
+        lists = self._topo.get_axis_comm_lists(axis)
+        return lists or [[rank] for rank in range(self.world_size)]
+
+    def _groups_over(self, rank_lists: list[list[int]]) -> tuple[Any, list[int]]:
+        """Make one process group per list (every rank makes every group, in order); returns
+        this rank's group and list. A list spanning the world uses the world group (None)."""
         mine_group: Any = None
         mine_ranks: list[int] = []
-        for ranks in sorted(classes.values()):
+        for ranks in rank_lists:
             group = None if len(ranks) == self.world_size else comm.new_group(ranks)
             if self.global_rank in ranks:
-                mine_group, mine_ranks = group, ranks
+                mine_group, mine_ranks = group, list(ranks)
         return mine_group, mine_ranks
+
+    def _build_p2p_groups(self) -> list[list[int]]:
+        """``[rank, next stage's rank]`` for every rank (the last stage wraps to the first)."""
+        pairs: list[list[int]] = []
+        for rank in range(self.world_size):
+            line = next(ranks for ranks in self._comm_lists("pipe") if rank in ranks)
+            pairs.append([rank, line[(line.index(rank) + 1) % len(line)]])
+        return pairs
+
+    def _is_grid_valid(self) -> bool:
+        """Whether the topology has exactly as many ranks as the world."""
+        return math.prod(self._topo.get_dim(a) for a in self._topo.get_axis_names()) == (
+            comm.get_world_size()
+        )
 
     # -- stages --------------------------------------------------------------------------
     def get_stage_id(self) -> int:
@@ -184,7 +236,7 @@ class PipelineParallelGrid:
         return self.pipe_parallel_size
 
     def get_pipe_parallel_group(self) -> Any:
-        return self.pp_group
+        return self.pp_proc_group
 
     def get_data_parallel_rank(self) -> int:
         return self.data_parallel_id
@@ -193,16 +245,16 @@ class PipelineParallelGrid:
         return self.data_parallel_size
 
     def get_data_parallel_group(self) -> Any:
-        return self.dp_group
+        return self.dp_proc_group
 
     def get_model_parallel_rank(self) -> int:
-        return self.model_parallel_id
+        return self.ds_model_rank
 
     def get_model_parallel_world_size(self) -> int:
-        return self.model_parallel_size
+        return self.ds_model_world_size
 
     def get_model_parallel_group(self) -> Any:
-        return self.mp_group
+        return self.ds_model_proc_group
 
     def get_slice_parallel_rank(self) -> int:
         return self.slice_parallel_id
@@ -211,17 +263,9 @@ class PipelineParallelGrid:
         return self.slice_parallel_size
 
     def get_slice_parallel_group(self) -> Any:
-        return self.slice_group
+        return self.slice_proc_group
 
     # Megatron's names for the slice (tensor) axis
     get_tensor_model_parallel_rank = get_slice_parallel_rank
     get_tensor_model_parallel_world_size = get_slice_parallel_world_size
     get_tensor_model_parallel_group = get_slice_parallel_group
-
-
-def _without(coord: Any, axis: str) -> tuple[tuple[str, int], ...]:
-    return tuple((a, v) for a, v in coord._asdict().items() if a != axis)
-
-
-def _only(coord: Any, axis: str) -> tuple[tuple[str, int], ...]:
-    return tuple((a, v) for a, v in coord._asdict().items() if a == axis)

@@ -4,13 +4,22 @@ A :class:`FlatShard` lays its parameters out flat at given offsets, padded to a 
 world size ``N`` (a gradient bucket's layout, so the bucket's reduce-scatter hands each rank the
 gradient of exactly its shard). Rank ``r`` keeps elements ``[r*S/N, (r+1)*S/N)`` in
 :attr:`~FlatShard.shard`, a tensor of its own. The full buffer :attr:`~FlatShard.full` exists
-only while gathered: each parameter's ``.data`` is a view of it, and releasing shrinks the
-buffer's storage to zero bytes instead of dropping the tensor, so the views, and the references
-autograd saved to the parameters during forward, stay valid: gathering again before backward
-regrows the same storage and all-gathers into it. Writes into the buffer do not bump the
-parameters' autograd version counters (``param.data`` was rebound), so a re-gather between
-forward and backward is not an in-place modification autograd refuses. (PyTorch FSDP2 frees its
-unsharded parameters the same way.)
+only while gathered: each parameter's ``.data`` is a view of it, so a released parameter keeps
+its shape (its storage has zero bytes).
+
+Releasing frees the full buffer's memory in one of two ways:
+
+* **in place** (the hooks' release between a module's forward and its backward): the buffer's
+  storage shrinks to zero bytes, so the views autograd saved of the parameters during forward
+  stay valid: gathering again before backward regrows the same storage and all-gathers into
+  it. Writes into the buffer do not bump the parameters' autograd version counters
+  (``param.data`` was rebound), so a re-gather between forward and backward is not an in-place
+  modification autograd refuses. (PyTorch FSDP2 frees its unsharded parameters the same way.)
+* **to a fresh storage** (every other release: ``GatheredParameters``, state dicts,
+  ``zero.Init``): the parameters move to a new zero-byte storage and the old one is left to
+  whoever else holds it (freed at once if nobody does). A tensor the caller kept of a gathered
+  value (``param.detach()``; ``.cpu()`` returns it unchanged on a CPU device) keeps its values,
+  as DeepSpeed's release (``param.data = torch.empty(0)``) leaves them.
 
 With one rank there is nothing to shard: the shard is the full buffer and it is never released,
 unless parameter offload swaps it (below).
@@ -52,14 +61,15 @@ class FlatShard:
         first = params[0]
         self.params = list(params)
         self.offsets = list(offsets)
+        #: each parameter's shape (a parameter is briefly empty while its storage is replaced)
+        self.shapes = [param.shape for param in params]
         self.comm = comm_group
         self.chunk_numel = size // comm_group.world_size
         #: the whole buffer; its storage has zero bytes while released
         self.full = torch.zeros(size, dtype=first.dtype, device=first.device)
-        for param, offset in zip(self.params, self.offsets, strict=True):
-            view = self.full[offset : offset + param.numel()].view(param.shape)
+        for param, view in zip(self.params, self._views(), strict=True):
             view.copy_(param.detach())
-            param.data = view  # the old storage is freed here (unless someone holds it)
+        self._bind_views()  # the old storages are freed here (unless someone holds them)
         self._nbytes = self.full.untyped_storage().nbytes()
         #: this rank's chunk, the only part kept between uses
         self.shard = self.full[self.chunk_slice].clone() if comm_group.partitioned else self.full
@@ -154,17 +164,62 @@ class FlatShard:
         self.shard_out()
         return None
 
-    def release(self) -> None:
-        """Free the full buffer's memory (with one rank only when the shard is swapped)."""
+    @torch.no_grad()
+    def release(self, in_place: bool = False) -> None:
+        """Free the full buffer's memory (with one rank only when the shard is swapped).
+
+        ``in_place``: shrink the buffer's storage (the hooks, between a forward and its
+        backward); otherwise move the parameters to a fresh storage first, leaving the current
+        one to any tensor that still holds it (see the module docstring)."""
         if not self.gathered:
             return
         if self.comm.partitioned:
+            if not in_place:
+                self._fresh_storage(keep_values=False)
             self.full.untyped_storage().resize_(0)
             self.gathered = False
         elif self.store is not None:
+            if not in_place:  # the shard is the full buffer: its values go to the store
+                self._fresh_storage(keep_values=True)
             self.store.pin(self.key, False)
             self.store.evict(self.key, self.shard)
             self.gathered = False
+
+    def _views(self) -> list[torch.Tensor]:
+        """Each parameter's view of the full buffer."""
+        return [
+            self.full[offset : offset + shape.numel()].view(shape)
+            for shape, offset in zip(self.shapes, self.offsets, strict=True)
+        ]
+
+    def _bind_views(self, which: Sequence[bool] | None = None) -> None:
+        """Make the parameters (those ``which`` marks, default all) views of the buffer."""
+        for index, (param, view) in enumerate(zip(self.params, self._views(), strict=True)):
+            if which is None or which[index]:
+                param.data = view
+
+    def _fresh_storage(self, keep_values: bool) -> None:
+        """Point the full buffer and the parameters' views at a storage nobody else holds; the
+        current one stays with whoever still references it (freed now if nobody does).
+        Parameters that moved to another buffer since (``zero.Init``'s construction-time
+        shards, taken over by the engine's) are left where they are."""
+        current = self.full.untyped_storage().data_ptr()
+        owned = [param.untyped_storage().data_ptr() == current for param in self.params]
+        if keep_values:
+            # the full buffer is the shard, which the store and the optimizer know by identity:
+            # the same tensor object gets a copy of the storage
+            copy = self.full.clone()
+            self.full.set_(copy.untyped_storage(), 0, copy.shape, copy.stride())
+        else:
+            placeholder = self.full.new_empty(0)
+            numel = self.full.numel()
+            for param, mine in zip(self.params, owned, strict=True):
+                if mine:  # let go of the current storage before allocating
+                    param.data = placeholder
+            self.full = placeholder
+            # allocated here and shrunk by the caller: views need a storage of their size
+            self.full = torch.empty(numel, dtype=placeholder.dtype, device=placeholder.device)
+        self._bind_views(owned)
 
     def holds(self, param: torch.Tensor) -> bool:
         return any(p is param for p in self.params)

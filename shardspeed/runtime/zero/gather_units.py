@@ -56,6 +56,9 @@ class GatherUnit:
     arrived: int = 0
     #: all-gathers started and not yet waited for
     pending: list[Any] = field(default_factory=list)
+    #: ``GatheredParameters`` blocks holding it gathered: nothing releases it meanwhile (a
+    #: forward inside the block must not free what the block's code reads after it)
+    holds: int = 0
 
     @property
     def numel(self) -> int:
@@ -85,14 +88,16 @@ class GatherUnit:
         self.start_gather()
         self.finish_gather()
 
-    def release(self, force: bool = False) -> None:
-        """Free the full buffers (a persistent unit only when ``force``)."""
-        if self.persistent and not force:
+    def release(self, force: bool = False, in_place: bool = False) -> None:
+        """Free the full buffers (a persistent unit only when ``force``); ``in_place``: shrink
+        their storage, for the hooks between a forward and its backward (see
+        :meth:`.FlatShard.release`)."""
+        if (self.persistent and not force) or self.holds:
             return
         if self.pending:  # never free memory an all-gather is writing into
             self.finish_gather()
         for flat in self.flats:
-            flat.release()
+            flat.release(in_place)
         self._set_state(ParamState.SHARDED if not self.gathered else ParamState.GATHERED)
 
     def _set_state(self, state: ParamState) -> None:

@@ -51,6 +51,16 @@ class ZeroOptimizer(DeepSpeedOptimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.strategy.zero_grad(set_to_none)
 
+    def _set_fp32_optimizer_param_groups(self) -> None:
+        """DeepSpeed's ZeRO-3 optimizer puts this rank's fp32 partitions into the torch
+        optimizer's parameter groups only around a step or a state dict, and code that reads
+        ``optimizer.optimizer.param_groups`` or its ``state_dict()`` calls this first. Here the
+        groups hold the stepped tensors at all times: there is nothing to put in."""
+
+    def _clear_fp32_optimizer_param_groups(self) -> None:
+        """The counterpart of :meth:`_set_fp32_optimizer_param_groups`: DeepSpeed empties the
+        groups again; here they keep the tensors the next step updates."""
+
     @staticmethod
     def require(verb: str) -> None:
         """The engine's check that ``verb`` has an optimizer: this one is."""
@@ -94,6 +104,9 @@ class ZeroOptimizer(DeepSpeedOptimizer):
                 "optimizer": optimizer or self.optimizer.state_dict(),
                 "loss_scaler": self.loss_scaler.state_dict(),
                 "strategy": self.strategy.state_dict(),
+                # DeepSpeed's keys: clients read the stage from a shard (Lightning's converter)
+                "zero_stage": int(self.strategy.stage),
+                "partition_count": self.strategy.checkpoint_world_size(),
             }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -328,8 +328,9 @@ class ParamSharding:
             self._release_one(done)
 
     def _release_one(self, unit: GatherUnit) -> None:
+        # in place: autograd's saved views of the parameters see the re-gather for backward
         if self.prefetcher.releasable(unit):
-            unit.release()
+            unit.release(in_place=True)
 
     def release_all(self) -> None:
         for unit in self.units:

@@ -29,11 +29,17 @@ from torch import nn
 from shardspeed import comm
 from shardspeed.runtime.zero.gather_units import GatherUnit, external_parameters
 from shardspeed.runtime.zero.records import record_of
-from shardspeed.runtime.zero.zero_parameter import ZeroParameter, ZeroParamStatus, param_status
+from shardspeed.runtime.zero.zero_parameter import (
+    ZeroParameter,
+    ZeroParamStatus,
+    ZeroParamType,
+    param_status,
+)
 
 __all__ = [
     "GatheredParameters",
     "ZeroParamStatus",
+    "ZeroParamType",
     "ZeroParameter",
     "param_status",
     "publish",
@@ -95,7 +101,9 @@ class GatheredParameters:
     registered with :func:`register_external_parameter`). ``enabled=False`` does nothing.
 
     Every rank of the data-parallel group must enter the block with the same parameters: the
-    gather is a collective.
+    gather is a collective. Inside the block the parameters stay gathered, also across a
+    forward pass; on exit they move to a fresh (empty) storage, so a tensor the block kept of
+    them (``p.detach().cpu()`` is ``p``'s own memory on a CPU device) keeps its values.
     """
 
     def __init__(
@@ -117,6 +125,7 @@ class GatheredParameters:
             unit.start_gather()
         for unit in self.units:
             unit.finish_gather()
+            unit.holds += 1  # a forward inside the block leaves them gathered
 
     def __exit__(
         self,
@@ -124,10 +133,12 @@ class GatheredParameters:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        for unit in self.units:
+            unit.holds -= 1
         if self.modifier_rank is not None and exc_type is None:
             publish(self.units, self.modifier_rank)
         for unit in self._released:
-            unit.release()
+            unit.release()  # to a fresh storage: tensors the block's code kept stay valid
 
 
 @torch.no_grad()

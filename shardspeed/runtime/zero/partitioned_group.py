@@ -88,7 +88,7 @@ class InPlaceChunks(ReducedGradients):
             flat, own = bucket.flat(), group.partition.chunk_slice(bucket.index)
             flat[: own.start].zero_()
             flat[own.stop :].zero_()
-            flat[own].mul_(group.comm.divisor)  # the pre and post factors multiply to 1/N
+            flat[own].mul_(group.options.reduce.unscale_factor(group.comm.divisor))
 
     def target(self, group: PartitionedGroup, bucket: GradBucket) -> tuple[torch.Tensor, bool]:
         # the buffers hold the running sum (see before_reducing_backward): replace, in place
@@ -299,6 +299,8 @@ class PartitionedGroup(ShardGroup):
         master = self.master_chunks[piece.bucket]
         chunk = self.grad_chunks[piece.bucket]
         grad = chunk[piece.chunk_slice] if self.reduced and chunk is not None else None
+        # not reduced yet (no_sync, or before the boundary): the gradient accumulated here
+        local = None if self.reduced else self.buckets.grad_of(record)
         return ParamFragment(
             param_slice=piece.param_slice,
             master=master.detach()[piece.chunk_slice],
@@ -307,6 +309,7 @@ class PartitionedGroup(ShardGroup):
             state_slice=piece.chunk_slice,
             partitioned=self.comm.partitioned,
             group=self.comm.group,
+            local_grad=None if local is None else local.view(-1),
         )
 
     def aliased(self, bucket: int) -> bool:

@@ -81,7 +81,7 @@ class Prefetcher:
     def drop(self) -> None:
         """Release what was gathered for a prediction that did not come true."""
         for unit in self._ahead:
-            unit.release()
+            unit.release(in_place=True)
         self._ahead = []
 
     def keep(self, unit: GatherUnit) -> bool:
@@ -121,7 +121,7 @@ class Prefetcher:
         released = False
         for unit in [*self._kept, *self.held]:
             if unit is not needed_by and unit not in needed_by.uses and unit.gathered:
-                unit.release()
+                unit.release(in_place=True)
                 released = True
         self._kept = []
         self.held = set()

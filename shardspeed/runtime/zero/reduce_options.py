@@ -14,6 +14,8 @@ from shardspeed.runtime.precision.policy import PrecisionPolicy
 class GradReduceOptions:
     """How gradients are averaged across the data-parallel group (DeepSpeed's knobs)."""
 
+    #: ``gradient_allreduce_op``: "mean" averages over the ranks, "sum" keeps the plain sum
+    allreduce_op: str = "mean"
     prescale_gradients: bool = False
     gradient_predivide_factor: float = 1.0
     communication_data_type: torch.dtype | None = None
@@ -23,11 +25,20 @@ class GradReduceOptions:
     def scale_factors(self, world: int) -> tuple[float, float]:
         """(factor before, factor after) the sum-reduction over ``world`` ranks: prescaling
         divides by the world size up front; otherwise divide by ``gradient_predivide_factor``
-        before and by ``world / predivide`` after."""
+        before and by ``world / predivide`` after. With ``allreduce_op="sum"`` the two factors
+        multiply to 1 (the predivide split, if any, still keeps fp16 sums in range)."""
+        if self.allreduce_op == "sum":
+            predivide = 1.0 if self.prescale_gradients else self.gradient_predivide_factor
+            return 1.0 / predivide, predivide
         if self.prescale_gradients:
             return 1.0 / world, 1.0
         predivide = self.gradient_predivide_factor
         return 1.0 / predivide, predivide / world
+
+    def unscale_factor(self, world: int) -> float:
+        """What a reduced result over ``world`` ranks is multiplied by to give the plain sum
+        again (the inverse of the product of :meth:`scale_factors`)."""
+        return 1.0 if self.allreduce_op == "sum" else float(world)
 
 
 def comm_source(

@@ -59,7 +59,16 @@ class ReplicatedGroup(ShardGroup):
 
     # -- backward ---------------------------------------------------------------------------
     def begin_backward(self, reduce: bool) -> None:
-        self.buckets.begin(reduce and self.comm.reduces)
+        reduce = reduce and self.comm.reduces
+        if reduce and self.reduced:
+            # a second reducing backward before the step: every rank's buffers hold the reduced
+            # result R, which the next all-reduce adds world-size times; scale R so that this
+            # gives back the plain sum of the first backward (a no-op for a plain average)
+            factor = self.options.reduce.unscale_factor(self.comm.divisor) / self.comm.world_size
+            if factor != 1.0:
+                for bucket in self.buckets.buckets:
+                    bucket.flat().mul_(factor)
+        self.buckets.begin(reduce)
 
     def _launch(self, bucket: GradBucket) -> None:
         staging = comm_source(bucket.flat(), bucket.comm_dtype, self.pre_scale)

@@ -54,6 +54,8 @@ class ParamFragment:
     ``master`` and ``grad`` are 1-D views of exactly the piece; the optimizer state of the piece is
     ``optimizer.state[state_key][name].view(-1)[state_slice]``. ``partitioned`` says whether
     other ranks of ``group`` hold the rest (then assembling the full tensor is a collective).
+    ``local_grad`` is the whole gradient this rank accumulated and has not reduced yet (inside
+    ``engine.no_sync()`` or before the accumulation boundary), where ``grad`` is None.
     """
 
     param_slice: slice
@@ -63,6 +65,7 @@ class ParamFragment:
     state_slice: slice
     partitioned: bool
     group: ProcessGroup | None
+    local_grad: torch.Tensor | None = None
 
 
 class ShardGroup(ABC):

@@ -17,7 +17,19 @@ from torch import nn
 
 from shardspeed.runtime.zero.records import ParamRecord, ParamState, record_of
 
-__all__ = ["ZeroParamStatus", "ZeroParameter", "param_status"]
+__all__ = ["ZeroParamStatus", "ZeroParamType", "ZeroParameter", "param_status"]
+
+
+class ZeroParamType(enum.Enum):
+    """DeepSpeed's parameter kinds (shardspeed's partitioned parameters are all
+    ``PARTITIONED``; the name exists for code that imports it)."""
+
+    #: an ordinary parameter
+    NORMAL = 1
+    #: split across the data-parallel ranks
+    PARTITIONED = 2
+    #: held by one rank only
+    REMOTE = 3
 
 
 class ZeroParamStatus(enum.Enum):

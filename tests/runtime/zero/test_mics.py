@@ -30,7 +30,7 @@ def test_checkpoints_resume_with_and_without_mics(dist_pool, tmp_path):
 
     mics = tmp_path / "mics"
     dist_pool(4).run(reshard.save_and_continue, str(mics), 3, 3000, "fp32", False, 2)
-    shards = sorted(p.name for p in (mics / "mid").glob("zero_pp_rank_*"))
+    shards = sorted(p.name for p in (mics / "mid").glob("zero_pp_rank_*_optim_states.pt"))
     assert shards == [
         "zero_pp_rank_0_mp_rank_00_optim_states.pt",
         "zero_pp_rank_1_mp_rank_00_optim_states.pt",
