@@ -5,11 +5,16 @@ The gating functions keep DeepSpeed's signatures and return its dense
 index-based ``Routing`` (see ``gating.py`` and ``dispatch.py``) and never builds the dense tensors.
 With ``ep_size > 1`` each rank holds ``num_experts / ep_size`` experts and the expert buffers
 travel by all-to-all over the expert-parallel group (``all_to_all.py``).
+
+With ``sparse_routes=True`` the gating functions return DeepSpeed's per-route form instead, and
+``_route_slots`` / ``_sparse_encode`` / ``_sparse_decode`` (DeepSpeed's names) dispatch and
+combine with it; they run on the same slot kernels as ``MOELayer`` (``dispatch.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -22,10 +27,10 @@ from shardspeed.moe.all_to_all import (
     agree_capacity,
     all_to_all,
 )
-from shardspeed.moe.dispatch import combine, dispatch
+from shardspeed.moe.dispatch import combine, decode, dispatch, encode
 from shardspeed.moe.gating import route_top1, route_top2, route_topk
 from shardspeed.moe.noise import gumbel_rsample, multiplicative_jitter
-from shardspeed.moe.routing import Routing
+from shardspeed.moe.routing import Routing, route_slots
 
 __all__ = [
     "MOELayer",
@@ -70,6 +75,69 @@ def _one_hot_to_float(x: Tensor, num_classes: int) -> Tensor:
     return torch.nn.functional.one_hot(x, num_classes=num_classes).float()
 
 
+#: what the gating functions return: DeepSpeed's dense 4-tuple, or with ``sparse_routes=True``
+#: ``(l_aux, capacity, num_experts, indices_, locations_, gates_, exp_counts)``
+GateOutput = tuple[Any, ...]
+
+
+def _gate_output(routing: Routing, sparse_routes: bool) -> GateOutput:
+    return routing.as_sparse_routes() if sparse_routes else routing.as_deepspeed_tuple()
+
+
+def _route_major(routes: Tensor | Sequence[Tensor], name: str) -> Tensor:
+    """DeepSpeed's per-route list (one ``[S]`` tensor per route rank) as one ``[k, S]`` tensor."""
+    if isinstance(routes, Tensor):
+        if routes.dim() == 1:
+            return routes.unsqueeze(0)
+        if routes.dim() == 2:
+            return routes
+        raise ValueError(f"{name} must be [S] or [k, S] tensors, got {tuple(routes.shape)}")
+    if len(routes) == 0:
+        raise ValueError(f"{name} is empty: pass one [S] tensor per route (k >= 1)")
+    return torch.stack(list(routes), dim=0)
+
+
+def _route_slots(
+    indices_: Tensor | Sequence[Tensor],
+    locations_: Tensor | Sequence[Tensor],
+    num_experts: int,
+    capacity: int | Tensor,
+) -> Tensor:
+    """Buffer slot of every route of a ``sparse_routes=True`` gate output.
+
+    ``indices_``/``locations_`` are the gate's per-route lists (or ``[k, S]`` tensors). Returns
+    ``[k, S]`` int64 slots ``index * capacity + location``, ``-1`` for a dropped route
+    (index -1) or one outside the ``num_experts x capacity`` buffer.
+    """
+    experts = _route_major(indices_, "indices_")
+    locations = _route_major(locations_, "locations_")
+    return route_slots(experts, locations, int(num_experts), int(capacity))
+
+
+def _sparse_encode(
+    reshaped_input: Tensor, slots: Tensor, num_experts: int, capacity: int | Tensor
+) -> Tensor:
+    """``[S, M]`` tokens -> ``[E, C, M]`` expert buffers by slot (``_route_slots``): equal to
+    ``einsum("sec,sm->ecm", dispatch_mask, reshaped_input)``, gradient included."""
+    return encode(reshaped_input, _route_major(slots, "slots"), int(num_experts), int(capacity))
+
+
+def _sparse_decode(
+    expert_output: Tensor,
+    slots: Tensor,
+    gates_: Tensor | Sequence[Tensor],
+    num_tokens: int,
+) -> Tensor:
+    """``[E * C, M]`` expert outputs -> ``[S, M]``: each token's kept routes weighted by their
+    gates and summed; equal to ``einsum("sec,ecm->sm", combine_weights, expert_output)``."""
+    if expert_output.dim() != 2:
+        # DeepSpeed hands over the flat [E * C, M] view; accept [E, C, M] as well
+        expert_output = expert_output.reshape(-1, expert_output.shape[-1])
+    return decode(
+        expert_output, _route_major(slots, "slots"), _route_major(gates_, "gates_"), num_tokens
+    )
+
+
 def top1gating(
     logits: Tensor,
     capacity_factor: float,
@@ -80,8 +148,10 @@ def top1gating(
     use_rts: bool = True,
     ep_group: comm.ProcessGroup | None = None,
     use_tutel: bool = False,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Top-1 gating on ``[tokens, experts]`` logits -> ``(l_aux, combine, dispatch, exp_counts)``."""
+    sparse_routes: bool = False,
+) -> GateOutput:
+    """Top-1 gating on ``[tokens, experts]`` logits -> ``(l_aux, combine, dispatch, exp_counts)``
+    (``sparse_routes``: the per-route form, see ``Routing.as_sparse_routes``)."""
     if use_tutel:
         raise NotImplementedError(TUTEL_REFUSED)
     routing = route_top1(
@@ -94,7 +164,7 @@ def top1gating(
         use_rts,
         ep_group,
     )
-    return routing.as_deepspeed_tuple()
+    return _gate_output(routing, sparse_routes)
 
 
 def top2gating(
@@ -104,12 +174,17 @@ def top2gating(
     drop_tokens: bool = True,
     ep_group: comm.ProcessGroup | None = None,
     top2_2nd_expert_sampling: bool = True,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Top-2 gating on ``[tokens, experts]`` logits -> ``(l_aux, combine, dispatch, exp_counts)``."""
+    use_tutel: bool = False,
+    sparse_routes: bool = False,
+) -> GateOutput:
+    """Top-2 gating on ``[tokens, experts]`` logits -> ``(l_aux, combine, dispatch, exp_counts)``
+    (``sparse_routes``: the per-route form, see ``Routing.as_sparse_routes``)."""
+    if use_tutel:
+        raise NotImplementedError(TUTEL_REFUSED)
     routing = route_top2(
         logits, capacity_factor, min_capacity, drop_tokens, ep_group, top2_2nd_expert_sampling
     )
-    return routing.as_deepspeed_tuple()
+    return _gate_output(routing, sparse_routes)
 
 
 def topkgating(
@@ -120,12 +195,17 @@ def topkgating(
     drop_tokens: bool = True,
     ep_group: comm.ProcessGroup | None = None,
     drop_policy: str = "probs",
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Top-k gating on ``[tokens, experts]`` logits -> ``(l_aux, combine, dispatch, exp_counts)``."""
+    use_tutel: bool = False,
+    sparse_routes: bool = False,
+) -> GateOutput:
+    """Top-k gating on ``[tokens, experts]`` logits -> ``(l_aux, combine, dispatch, exp_counts)``
+    (``sparse_routes``: the per-route form, see ``Routing.as_sparse_routes``)."""
+    if use_tutel:
+        raise NotImplementedError(TUTEL_REFUSED)
     routing = route_topk(
         logits, k, capacity_factor, min_capacity, drop_tokens, ep_group, drop_policy
     )
-    return routing.as_deepspeed_tuple()
+    return _gate_output(routing, sparse_routes)
 
 
 class TopKGate(nn.Module):

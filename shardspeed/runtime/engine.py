@@ -327,6 +327,11 @@ class DeepSpeedEngine(ModuleAttributes, nn.Module):
     def zero_optimization_stage(self) -> int:
         return int(self._config.zero_optimization.stage)
 
+    @property
+    def gradient_average(self) -> bool:
+        """Whether data-parallel gradients are averaged (``gradient_allreduce_op: "mean"``)."""
+        return self._config.gradient_allreduce_op == "mean"
+
     def zero_optimization(self) -> bool:
         return self.zero_optimization_stage() > 0
 

@@ -27,6 +27,7 @@ def _sgd_updates(model: torch.nn.Module, stage: int, op: str, backwards: int) ->
     model = copy.deepcopy(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     engine, *_ = shardspeed.initialize(model=model, optimizer=optimizer, config=config)
+    assert engine.gradient_average == (op == "mean")  # DeepSpeed's engine attribute
     before = [p.detach().clone() for p in engine.module.parameters()]
     gen = torch.Generator().manual_seed(100 + dist.get_rank())  # every rank sees other data
     for _ in range(backwards):
