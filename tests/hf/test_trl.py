@@ -1,4 +1,6 @@
-"""TRL's trainers with a ZeRO-3 reference model (DPO, KTO, GRPO with ``beta > 0``) on shardspeed.
+"""TRL's trainers with a ZeRO-3 reference model (DPO, KTO, GRPO with ``beta > 0``) on shardspeed,
+and TRL's ZeRO-3 generation path (``unwrap_model_for_generation`` gathering the model and taking
+the hooks off through ``engine.optimizer.parameter_offload``).
 
 TRL's ``prepare_deepspeed`` builds the reference model's engine from the policy's config plus
 dotted top-level keys meaning nested overrides (``"zero_optimization.reduce_bucket_size":
@@ -8,7 +10,8 @@ a dotted key that names no real key, with the closest valid one. One ``torchrun`
 ranks, the compatibility package installed) runs ``scripts/trl_reference.py``: a tiny Llama
 and a word-level tokenizer built locally, 2 steps of each trainer. At the first step the policy
 and the reference are the same weights in two ZeRO-3 engines, so DPO's loss is exactly
-``log 2``, KTO's KL and GRPO's KL are 0.
+``log 2``, KTO's KL and GRPO's KL are 0. GRPO generates with ``ds3_gather_for_generation=True``;
+the ``unwrap`` case checks that path's tokens and the training after it exactly.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from hf_common import ds_config  # noqa: E402
 
 HIDDEN = 32  # scripts/trl_reference.py's model
 CASES = ("dpo", "kto", "grpo")
+#: scripts/trl_reference.py's case running TRL's unwrap_model_for_generation on its own
+UNWRAP = "unwrap"
 
 
 def trl_overrides(hidden: int) -> dict[str, Any]:
@@ -125,7 +130,9 @@ def _results(out: Path) -> dict[str, list[dict[str, Any]]]:
 @pytest.mark.timeout(300)
 def test_reference_models_at_zero3(compat_site: Path, tmp_path: Path) -> None:
     pytest.importorskip("trl")
-    cmd = launch_cmd("torchrun", "trl_reference.py", str(tmp_path), "--cases", ",".join(CASES))
+    cmd = launch_cmd(
+        "torchrun", "trl_reference.py", str(tmp_path), "--cases", ",".join((*CASES, UNWRAP))
+    )
     run_launched(cmd, rank_env(compat_site), timeout=280)
     buckets = {
         "reduce_bucket_size": HIDDEN * HIDDEN,
@@ -153,3 +160,19 @@ def test_reference_models_at_zero3(compat_site: Path, tmp_path: Path) -> None:
         else:  # grpo, beta > 0: the KL to the reference is 0, then grows
             assert first["kl"] == pytest.approx(0.0, abs=1e-6)
             assert second["kl"] > 0.0
+            # generate() ran on the gathered model with the hooks off (once per step)
+            assert all(result["hooks_removed"] >= 2 for result in ranks), case
+    unwrap = [json.loads((tmp_path / UNWRAP / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for result in unwrap:
+        # TRL's remove_hooks / add_hooks ran on parameter_offload: the hooks were off during
+        # generate(), which gathered nothing, and came back as many as before
+        assert result["trl_calls"] == [1, 1]
+        assert result["hooks"][1] == 0 and result["hooks"][0] == result["hooks"][2] > 0
+        assert result["gathers_in_generate"] == 0
+        # the same tokens as the gathered weights in a plain model in one process
+        assert result["tokens"] == result["expected"]
+        # training after it: the engine that generated equals the one that did not, exactly
+        with_generate, without = result["losses"]
+        assert with_generate == without and len(with_generate) == 3
+        assert result["weights_equal"] and result["weights_moved"]
+    assert unwrap[0]["tokens"] == unwrap[1]["tokens"]

@@ -41,6 +41,14 @@ class ExecutionTrace:
         """The units predicted to come next (none once the pass left the record)."""
         return self.order[self._cursor :] if self._following else []
 
+    def forget(self) -> None:
+        """Drop the record (and the pass in progress): the next pass records afresh and
+        nothing is predicted until it ends."""
+        self.order = []
+        self._current = []
+        self._cursor = 0
+        self._following = False
+
     def end(self) -> None:
         """The pass is over: its order is the record from now on."""
         if self._current and self._current != self.order:

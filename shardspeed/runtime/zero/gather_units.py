@@ -6,7 +6,8 @@ holds every parameter of its subtree and nothing inside it gets a unit of its ow
 subtree is gathered as one piece even where ranks run different submodules. A parameter lives in
 the first unit that holds it; a module that registers a parameter living elsewhere (tied input
 and output embeddings) or was told to use one (``register_external_parameter``) lists that
-unit in :attr:`GatherUnit.uses` and gathers it too.
+unit in :attr:`GatherUnit.uses` and gathers it too. While a strategy manages the model, every
+module lists the ones registered to it in DeepSpeed's ``module.ds_external_parameters()``.
 
 A unit's parameters sit in one or more :class:`~shardspeed.runtime.zero.flat_shard.FlatShard`
 buffers: one per optimizer parameter group of its trained parameters (the shard group's gradient
@@ -33,6 +34,39 @@ _EXTERNAL: weakref.WeakKeyDictionary[nn.Module, list[nn.Parameter]] = weakref.We
 def external_parameters(module: nn.Module) -> list[nn.Parameter]:
     """The parameters registered as used by ``module``'s forward from elsewhere."""
     return _EXTERNAL.setdefault(module, [])
+
+
+def ds_external_parameters(module: nn.Module) -> list[tuple[int, nn.Parameter]]:
+    """DeepSpeed's ``module.ds_external_parameters()``: ``(id(param), param)`` for each
+    parameter registered as used by ``module``'s forward from elsewhere (DeepSpeed keys them by
+    ``id``; TRL's ``get_all_parameters`` chains them after ``named_parameters()``)."""
+    return [(id(param), param) for param in external_parameters(module)]
+
+
+class _BoundExternalParameters:
+    """``module.ds_external_parameters``: a plain object, not a bound method, so a model that
+    carries it still pickles (``torch.save(model)``) and deep-copies (onto the copy)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __call__(self) -> list[tuple[int, nn.Parameter]]:
+        return ds_external_parameters(self.module)
+
+
+def expose_external_parameters(root: nn.Module) -> None:
+    """Give every module of ``root`` DeepSpeed's ``ds_external_parameters()`` method, as
+    DeepSpeed's ZeRO-3 does to the modules it manages."""
+    for module in root.modules():
+        if "ds_external_parameters" not in module.__dict__:
+            module.__dict__["ds_external_parameters"] = _BoundExternalParameters(module)
+
+
+def hide_external_parameters(root: nn.Module) -> None:
+    """Take :func:`expose_external_parameters`' methods off again (the strategy is gone)."""
+    for module in root.modules():
+        if isinstance(module.__dict__.get("ds_external_parameters"), _BoundExternalParameters):
+            del module.__dict__["ds_external_parameters"]
 
 
 @dataclass(eq=False)

@@ -43,6 +43,20 @@ class ZeroOptimizer(DeepSpeedOptimizer):
         self.overflow = False
 
     @property
+    def parameter_offload(self) -> Any:
+        """ZeRO-3's module hooks under DeepSpeed's names
+        (:class:`~shardspeed.runtime.zero.parameter_offload.DeepSpeedZeRoOffload`; TRL takes
+        them off around ``generate()``). Below stage 3 there is none: AttributeError, so
+        ``hasattr`` answers False as with DeepSpeed's stage 1-2 optimizer."""
+        offload = getattr(self.strategy, "parameter_offload", None)
+        if offload is None:
+            raise AttributeError(
+                f"parameter_offload exists at ZeRO stage 3 only (this optimizer is stage "
+                f"{self.strategy.stage})"
+            )
+        return offload
+
+    @property
     def loss_scale(self) -> float:
         return self.loss_scaler.loss_scale
 

@@ -13,7 +13,9 @@ that move them between ``SHARDED`` and ``GATHERED``:
 * small units (``stage3_param_persistence_threshold``, up to
   ``stage3_model_persistence_threshold`` elements in all) stay gathered.
 
-The hooks only delegate here; the buffers are :class:`~.flat_shard.FlatShard` objects. Trained
+The hooks only delegate here; :class:`~.module_hooks.ModuleHooks` installs them (they can be
+taken off and put back, DeepSpeed's ``parameter_offload`` hook lists, see
+:mod:`~.parameter_offload`); the buffers are :class:`~.flat_shard.FlatShard` objects. Trained
 parameters move into their shard group's bucket layout when the optimizer is bound
 (:meth:`ParamSharding.adopt_buckets`), so a bucket's reduce-scatter hands every rank the
 gradient of exactly its shard.
@@ -38,7 +40,9 @@ from shardspeed.runtime.zero.flat_shard import FlatShard, pack_flat_shards
 from shardspeed.runtime.zero.gather_units import (
     GatherUnit,
     constructed_units,
+    expose_external_parameters,
     forget_constructed_units,
+    hide_external_parameters,
     plan_units,
 )
 from shardspeed.runtime.zero.module_agreement import (
@@ -47,6 +51,7 @@ from shardspeed.runtime.zero.module_agreement import (
     ModuleAgreement,
     describe_unit,
 )
+from shardspeed.runtime.zero.module_hooks import ModuleHooks
 from shardspeed.runtime.zero.prefetcher import Prefetcher
 from shardspeed.runtime.zero.records import ParamRecord, ParamRegistry, record_of
 from shardspeed.runtime.zero.state_swap import SwapStore
@@ -110,7 +115,11 @@ class ParamSharding:
         self.options = options
         self.units = plan_units(module, registry)
         self._in_backward = False
+        #: the root module's hooks around the whole forward, and the gradient hooks
         self._handles: list[Any] = []
+        self._end_handle: Any = None
+        #: every unit's module hooks (DeepSpeed's ``forward_hooks`` / ``backward_hooks``)
+        self.hooks = ModuleHooks(self)
         #: the most non-persistent parameter elements gathered at once by the hooks
         self.peak_live = 0
         self.agreement = ModuleAgreement(comm, self.units)
@@ -200,13 +209,12 @@ class ParamSharding:
                     if left[id(source)] == 0:
                         source.flats = []  # every parameter moved: its shards go
         forget_constructed_units(self.module)
-        # the whole forward's boundaries: before every unit's hooks, and after them
+        # the whole forward's start: before every unit's hooks (its end: install_hooks)
         self._handles.append(
             self.module.register_forward_pre_hook(self._begin_forward, prepend=True)
         )
-        for unit in self.units:
-            self._hook(unit)
-        self._handles.append(self.module.register_forward_hook(self._end_forward))
+        self.install_hooks(self.units)
+        expose_external_parameters(self.module)
 
     def adopt_buckets(
         self, buckets: Sequence[GradBucket], comm_group: CommGroup
@@ -254,15 +262,32 @@ class ParamSharding:
         if unit is None:
             unit = GatherUnit(len(self.units), type(module).__name__, module, [])
             self.units.append(unit)
-            self._hook(unit)
+            self.install_hooks([unit])
         if home not in unit.uses:
             unit.uses.append(home)
 
-    def _hook(self, unit: GatherUnit) -> None:
-        self._handles.append(
-            unit.module.register_forward_pre_hook(partial(self._pre_forward, unit))
-        )
-        self._handles.append(unit.module.register_forward_hook(partial(self._post_forward, unit)))
+    def install_hooks(self, units: Sequence[GatherUnit]) -> None:
+        """Install ``units``' module hooks, replacing those they have (never doubled): at
+        :meth:`shard`, and when the hooks are put back after being taken off (see
+        :mod:`~.module_hooks`)."""
+        self.hooks.install(units)
+        # the whole forward's end: after every unit's hooks, the root module's own included
+        if self._end_handle is not None:
+            self._end_handle.remove()
+        self._end_handle = self.module.register_forward_hook(self._end_forward)
+
+    def units_in(self, module: nn.Module) -> list[GatherUnit]:
+        """The units of ``module`` and the modules inside it (ValueError if it is not part
+        of this model)."""
+        if module is self.module:
+            return list(self.units)
+        if not any(sub is module for sub in self.module.modules()):
+            raise ValueError(
+                f"{type(module).__name__} is not a module of this ZeRO-3 model "
+                f"({type(self.module).__name__}); pass the model or one of its submodules"
+            )
+        inside = {id(sub) for sub in module.modules()}
+        return [unit for unit in self.units if id(unit.module) in inside]
 
     def watch_gradients(self, records: Iterable[ParamRecord]) -> None:
         """Release a unit once all its trained parameters got their gradients."""
@@ -274,9 +299,15 @@ class ParamSharding:
             )
 
     def remove_hooks(self) -> None:
+        """Remove every hook and DeepSpeed view this sharding installed (destroy)."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self.hooks.remove_all()
+        if self._end_handle is not None:
+            self._end_handle.remove()
+            self._end_handle = None
+        hide_external_parameters(self.module)
         for unit in self.units:
             for record in unit.records:
                 unmark_partitioned(record.param)
@@ -362,15 +393,23 @@ class ParamSharding:
             for flat in unit.flats:
                 flat.keep_full_values()
 
-    # -- hooks ------------------------------------------------------------------------------
-    def _pre_forward(self, unit: GatherUnit, module: nn.Module, args: Any) -> None:
-        del module
+    # -- hooks (installed by ModuleHooks) ----------------------------------------------------
+    def pre_forward(self, unit: GatherUnit, module: nn.Module, args: Any) -> None:
+        """Gather ``unit`` (and what it uses) before its module's forward."""
+        del module, args
         self.agreement.check(unit, FORWARD)
         self.fetch(unit)
         if not self._in_backward:  # a recompute inside backward is not the forward's order
             self._advance(FORWARD, unit)
+        for used in (unit, *unit.uses):
+            for record in used.records:
+                record.active.add(unit.index)
+
+    def arm_post_backward(self, unit: GatherUnit, module: nn.Module, args: Any) -> None:
+        """A unit whose own parameters get no gradient is released after its backward when
+        its inputs' gradients are done."""
+        del module
         if unit.records and not unit.trained_count and torch.is_grad_enabled():
-            # no gradient of its own tells when its backward is over: the inputs' do
             inputs = [
                 t for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.requires_grad
             ]
@@ -379,7 +418,8 @@ class ParamSharding:
                     inputs, partial(self._after_backward, unit), mode="all"
                 )
 
-    def _post_forward(self, unit: GatherUnit, module: nn.Module, args: Any, output: Any) -> None:
+    def arm_pre_backward(self, unit: GatherUnit, module: nn.Module, args: Any, output: Any) -> None:
+        """Gather ``unit`` again when backward reaches its module's outputs."""
         del module, args
         if torch.is_grad_enabled():
             needing = [
@@ -389,6 +429,13 @@ class ParamSharding:
                 torch.autograd.graph.register_multi_grad_hook(
                     needing, partial(self._pre_backward, unit), mode="any"
                 )
+
+    def post_forward(self, unit: GatherUnit, module: nn.Module, args: Any, output: Any) -> None:
+        """Release ``unit`` after its module's forward, unless it is reused soon."""
+        del module, args, output
+        for used in (unit, *unit.uses):
+            for record in used.records:
+                record.active.discard(unit.index)
         if self._in_backward:
             return
         if self.prefetcher.keep(unit):
@@ -407,6 +454,22 @@ class ParamSharding:
         del grads
         if self._in_backward:
             self._release_one(unit)
+
+    def check_gathered(self, unit: GatherUnit) -> None:
+        """With ``unit``'s module hooks taken off, its forward needs its parameters gathered
+        by the caller: refuse to compute on released (empty) ones."""
+        released = [u for u in (unit, *unit.uses) if not u.gathered]
+        if not released:
+            return
+        raise RuntimeError(
+            f"ZeRO stage 3: {self._describe(unit.index)} ran its forward with the parameters of "
+            + ", ".join(self._describe(u.index) for u in released)
+            + " released while the ZeRO-3 module hooks are removed (optimizer.parameter_offload."
+            "forward_hooks, as TRL's remove_hooks does), so nothing gathers them. Gather them "
+            "around the forward (deepspeed.zero.GatheredParameters(model.parameters())), or put "
+            "the hooks back first: engine.optimizer.parameter_offload._register_deepspeed_module"
+            "(engine.module) (TRL's add_hooks)"
+        )
 
     def _describe(self, index: int) -> str:
         return describe_unit(self.units, index)

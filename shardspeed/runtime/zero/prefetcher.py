@@ -50,6 +50,19 @@ class Prefetcher:
         self.drop()
         self._kept = []
 
+    @property
+    def recorded(self) -> bool:
+        """Whether a pass has been recorded since the start or the last :meth:`forget`."""
+        return any(trace.order for trace in self.traces.values())
+
+    def forget(self) -> None:
+        """Forget the recorded orders (the module hooks were put back, the model may run
+        differently now): the next passes record afresh. What was started ahead is released;
+        the values every pass computes are the same either way, only the look-ahead changes."""
+        for trace in self.traces.values():
+            trace.forget()
+        self.drop()
+
     def fetched(self, unit: GatherUnit) -> None:
         """``unit`` (and what it uses) was fetched for its module."""
         self._kept = [u for u in self._kept if u is not unit]

@@ -71,6 +71,9 @@ class ParamRecord:
     used: bool = False
     #: the reducing backward in which its gradient last arrived (a second one is an error)
     arrived_in: int = -1
+    #: gather-unit indices of the modules whose forward is running with it fetched (stage 3;
+    #: DeepSpeed's ``param.ds_active_sub_modules``: informational, nothing is released by it)
+    active: set[int] = field(default_factory=set, repr=False)
     #: the strategy whose registry holds this record (weak)
     owner_ref: Callable[[], Any] = field(default=lambda: None, repr=False)
 

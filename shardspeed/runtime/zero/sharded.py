@@ -30,6 +30,7 @@ from torch import nn
 from shardspeed import comm
 from shardspeed.runtime.zero.comm_group import CommGroup
 from shardspeed.runtime.zero.param_sharding import ParamSharding, ShardingOptions
+from shardspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from shardspeed.runtime.zero.partitioned import PartitionedStrategy
 from shardspeed.runtime.zero.partitioned_group import ChunkBuffers
 from shardspeed.runtime.zero.records import ParamRecord
@@ -86,6 +87,10 @@ class ParamPartitionStrategy(PartitionedStrategy):
             ShardingOptions.from_config(ctx.zero_config),
             source=ctx.data_parallel,
         )
+        #: DeepSpeed's ``optimizer.parameter_offload``: the module hooks, for clients that take
+        #: them off around a whole-model forward (not to be confused with ``param_offload``,
+        #: the ``offload_param`` placement)
+        self.parameter_offload = DeepSpeedZeRoOffload(self.sharding)
 
     @torch.no_grad()
     def place_module(self, move: bool = True) -> None:

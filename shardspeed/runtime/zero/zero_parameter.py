@@ -2,7 +2,7 @@
 
 User code and Hugging Face read ``param.ds_id``, ``ds_status``, ``ds_numel``, ``ds_shape``,
 ``ds_tensor`` and ``ds_persist`` (and test ``hasattr(param, "ds_id")`` to tell a partitioned
-parameter). shardspeed keeps every fact on the parameter's
+parameter); TRL clears ``ds_active_sub_modules`` around generation. shardspeed keeps every fact on the parameter's
 :class:`~shardspeed.runtime.zero.records.ParamRecord`; a partitioned parameter's class becomes
 :class:`ZeroParameter`, whose ``ds_*`` properties read that record. Nothing is stored on the
 tensor, and the class goes back to ``nn.Parameter`` when the strategy is destroyed.
@@ -85,6 +85,12 @@ class ZeroParameter(nn.Parameter):
     def ds_persist(self) -> bool:
         unit = self._record().unit
         return bool(unit is not None and unit.persistent)
+
+    @property
+    def ds_active_sub_modules(self) -> set[int]:
+        """The modules (gather-unit indices) whose forward runs with this parameter fetched
+        now; the set itself, so ``.clear()`` (TRL's ``remove_hooks``) clears it."""
+        return self._record().active
 
     @property
     def ds_tensor(self) -> torch.Tensor:
