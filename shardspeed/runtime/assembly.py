@@ -25,7 +25,9 @@ from shardspeed.runtime.precision.loss_scaler import loss_scaler_for_policy
 from shardspeed.runtime.precision.policy import PrecisionPolicy
 from shardspeed.runtime.train_state import TrainState
 from shardspeed.runtime.zero.comm_group import CommGroup
+from shardspeed.runtime.zero.grad_norm import GradNormReducer
 from shardspeed.runtime.zero.mics import mics_comm
+from shardspeed.runtime.zero.model_parallel_norm import model_parallel_reducer
 from shardspeed.runtime.zero.optimizer import ZeroOptimizer
 from shardspeed.runtime.zero.reduce_options import GradReduceOptions
 from shardspeed.runtime.zero.registry import build_strategy
@@ -89,15 +91,20 @@ def strategy_context(
 
 
 def wrap_optimizer(
-    strategy: ZeroStrategy, config: DeepSpeedConfig, precision: PrecisionPolicy
+    strategy: ZeroStrategy,
+    config: DeepSpeedConfig,
+    precision: PrecisionPolicy,
+    reducer: GradNormReducer | None = None,
 ) -> ZeroOptimizer:
     """The optimizer the user gets: the strategy's bound optimizer with loss scaling,
-    overflow checks and clipping."""
+    overflow checks and clipping by the norm ``reducer`` takes (default: over the
+    data-parallel groups)."""
     return ZeroOptimizer(
         strategy,
         loss_scaler_for_policy(precision, config.fp16),
         gradient_clipping=float(config.gradient_clipping),
         check_overflow=precision.needs_loss_scaling,
+        reducer=reducer,
     )
 
 
@@ -163,7 +170,9 @@ def assemble(
     wrapped = None
     if basic_optimizer is not None:
         strategy.bind_optimizer(basic_optimizer)
-        wrapped = wrap_optimizer(strategy, config, precision)
+        # with an mpu the norm also adds the tensor-parallel shards and pipeline stages
+        reducer = model_parallel_reducer(strategy, model, mpu)
+        wrapped = wrap_optimizer(strategy, config, precision, reducer)
     state = TrainState()
     loader = None
     if training_data is not None:

@@ -10,9 +10,8 @@ from typing import Any
 from shardspeed.config import DeepSpeedConfig
 from shardspeed.runtime.activation_checkpointing import checkpointing
 from shardspeed.runtime.engine_parts import EngineParts
-from shardspeed.runtime.pipe.grad_norm import PipeGradNormReducer, duplicate_squares
 from shardspeed.runtime.pipe.module import PipelineModule
-from shardspeed.runtime.zero.comm_group import CommGroup
+from shardspeed.runtime.zero.model_parallel_norm import model_parallel_reducer
 from shardspeed.utils.logging import log_dist
 
 
@@ -59,17 +58,10 @@ def check_pipeline_config(config: DeepSpeedConfig, model: PipelineModule) -> Non
 
 
 def attach_pipeline_norm(parts: EngineParts, model: PipelineModule) -> None:
-    """Give the optimizer the pipeline's norm: every stage's squares, tied weights once."""
+    """Give the optimizer the pipeline's norm: every stage's and tensor slice's squares (the
+    grid's model-parallel group), tied weights and tensor-parallel duplicates counted once."""
     if parts.optimizer is None:
         return
-    grid = model.mpu()
-    mp = CommGroup(
-        grid.get_model_parallel_group(),
-        grid.get_model_parallel_rank(),
-        grid.get_model_parallel_world_size(),
-    )
-    strategy = parts.strategy
-    duplicates = model.tied.duplicates()
-    parts.optimizer.reducer = PipeGradNormReducer(
-        mp, lambda: [duplicate_squares(strategy, duplicates)] if duplicates else []
+    parts.optimizer.reducer = model_parallel_reducer(
+        parts.strategy, model, model.mpu(), also_uncounted=model.tied.duplicates()
     )

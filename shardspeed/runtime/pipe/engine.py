@@ -12,7 +12,7 @@ Gradients: every micro-batch's backward accumulates locally (the strategy's hook
 reduction); at the end of the batch the tied weights' gradients are summed over their stages
 (:class:`ReduceTiedGrads`), then the strategy reduces over the stage's data-parallel group
 (:class:`ReduceGrads`), then the optimizer steps with the global norm taken over every stage
-(:class:`~.grad_norm.PipeGradNormReducer`).
+(:class:`~shardspeed.runtime.zero.model_parallel_norm.ModelParallelNormReducer`).
 
 Errors do not stop a rank where its neighbours would wait for it forever (:mod:`.failure`): a
 data iterator is read for the whole batch before the schedule starts, and every rank learns

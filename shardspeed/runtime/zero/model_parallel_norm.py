@@ -1,0 +1,128 @@
+"""The global gradient norm under model parallelism: a Megatron ``mpu`` (tensor parallelism,
+with or without pipeline stages) or a pipeline grid.
+
+DeepSpeed's rule (``clip_grad_norm_`` and the ZeRO optimizers given an ``mpu``): each rank adds
+the squares of the gradients it holds, the data-parallel sums are added as ZeRO splits them, and
+the total is added over the ``mpu``'s model-parallel group (tensor-parallel shards and pipeline
+stages). A parameter split over the tensor-parallel ranks (``tensor_model_parallel`` or
+``model_parallel`` set true, :func:`is_model_parallel_parameter`) counts on every one of them; a
+parameter every tensor-parallel rank holds whole (a layer norm, the bias of a row-parallel
+linear) counts on tensor-parallel rank 0 only. Tied pipeline weights likewise count on the first
+stage that holds them only.
+
+The shard groups report the squares of everything this rank holds; what it holds but does not
+count is subtracted here (:func:`uncounted_squares`), from this rank's piece of the unscaled
+gradients, split over the same process group as its shard group's own part.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardspeed.runtime.zero.comm_group import CommGroup
+from shardspeed.runtime.zero.grad_norm import GradNormReducer, GradSquares
+from shardspeed.runtime.zero.strategy import ZeroStrategy
+
+
+def is_model_parallel_parameter(param: torch.Tensor) -> bool:
+    """Whether ``param`` is split over the tensor-parallel ranks (Megatron marks such
+    parameters ``tensor_model_parallel``, older versions ``model_parallel``)."""
+    return bool(getattr(param, "model_parallel", False)) or bool(
+        getattr(param, "tensor_model_parallel", False)
+    )
+
+
+def tensor_parallel_rank(mpu: Any) -> int:
+    """This rank's tensor-parallel index: Megatron's ``get_tensor_model_parallel_rank``, a
+    pipeline grid's ``get_slice_parallel_rank``, else the older ``get_model_parallel_rank``
+    (0 without an ``mpu`` or without any of them)."""
+    if mpu is None:
+        return 0
+    for method in (
+        "get_tensor_model_parallel_rank",
+        "get_slice_parallel_rank",
+        "get_model_parallel_rank",
+    ):
+        if hasattr(mpu, method):
+            return int(getattr(mpu, method)())
+    return 0
+
+
+def model_parallel_comm(mpu: Any) -> CommGroup | None:
+    """The ``mpu``'s model-parallel group (the ranks holding one copy of the model together:
+    tensor shards and pipeline stages), or None where it has no model parallelism."""
+    if mpu is None or not hasattr(mpu, "get_model_parallel_group"):
+        return None
+    if hasattr(mpu, "get_model_parallel_world_size") and mpu.get_model_parallel_world_size() <= 1:
+        return None
+    group = CommGroup.of(mpu.get_model_parallel_group())  # None: the world (a pipeline grid's)
+    return group if group.partitioned else None
+
+
+def tensor_parallel_duplicates(model: nn.Module, mpu: Any) -> list[nn.Parameter]:
+    """The parameters this rank holds whole but another tensor-parallel rank (rank 0) counts."""
+    if tensor_parallel_rank(mpu) == 0:
+        return []
+    return [p for p in model.parameters() if not is_model_parallel_parameter(p)]
+
+
+def uncounted_squares(strategy: ZeroStrategy, params: Sequence[torch.Tensor]) -> list[GradSquares]:
+    """Minus the squares of ``params``' gradients (this rank's pieces, unscaled), one part per
+    shard group so each is split over the group that splits its own squares."""
+    device = strategy.placement.device
+    parts: dict[tuple[CommGroup | None, CommGroup | None], torch.Tensor] = {}
+    for param in params:
+        record = strategy.registry.get(param)
+        fragment = strategy.param_fragment(param)  # type: ignore[arg-type]
+        if record is None or record.group is None or fragment is None:
+            continue  # not trained: no shard group reports it
+        grad = fragment.state_key.grad
+        if grad is None:
+            continue
+        piece = grad.reshape(-1)[fragment.state_slice]
+        own = record.group.comm
+        spread = own.spread_over if own.spread_over and own.spread_over.partitioned else None
+        key = (own if fragment.partitioned else None, spread)
+        square = piece.double().square().sum().to(device)
+        parts[key] = parts.get(key, torch.zeros((), dtype=torch.float64, device=device)) + square
+    return [GradSquares(-total, over, spread) for (over, spread), total in parts.items()]
+
+
+class ModelParallelNormReducer(GradNormReducer):
+    """:class:`GradNormReducer` adding the total over the model-parallel group, with the
+    squares of ``uncounted`` (parameters this rank holds but another rank counts) taken out."""
+
+    def __init__(
+        self,
+        model_parallel: CommGroup | None,
+        strategy: ZeroStrategy,
+        uncounted: Sequence[torch.Tensor] = (),
+    ) -> None:
+        super().__init__(model_parallel)
+        self.strategy = strategy
+        self.uncounted = list(uncounted)
+
+    def global_norm(self, parts: Sequence[GradSquares], device: torch.device) -> torch.Tensor:
+        extra = uncounted_squares(self.strategy, self.uncounted) if self.uncounted else []
+        return super().global_norm([*parts, *extra], device)
+
+
+def model_parallel_reducer(
+    strategy: ZeroStrategy,
+    model: nn.Module,
+    mpu: Any,
+    also_uncounted: Sequence[torch.Tensor] = (),
+) -> GradNormReducer:
+    """The norm reducer for ``model`` under ``mpu``: over the data-parallel groups alone
+    without one; with one, also over its model-parallel group, each parameter counted once."""
+    model_parallel = model_parallel_comm(mpu)
+    duplicates = tensor_parallel_duplicates(model, mpu) if model_parallel is not None else []
+    # a tied weight every tensor-parallel rank holds whole is left out once, not twice
+    uncounted = list({id(p): p for p in [*duplicates, *also_uncounted]}.values())
+    if model_parallel is None and not uncounted:
+        return GradNormReducer()
+    return ModelParallelNormReducer(model_parallel, strategy, uncounted)

@@ -1,0 +1,74 @@
+"""Training with a Megatron ``mpu`` (tensor parallel 2 x data parallel 2 on 4 gloo ranks): the
+global gradient norm is taken over the tensor-parallel group, parameters every tensor-parallel
+rank holds whole (layer norms, a row-parallel bias, a replicated head) counted once, so the
+clip and the update equal the whole model's in one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.runtime import mpu_tp_ranks
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_mpu_tensor_parallel_norm_and_clip_equal_whole_model(dist_pool, stage: int) -> None:
+    results = dist_pool(4).run(mpu_tp_ranks.train_against_whole, stage)
+    assert sorted((r["tp_rank"], r["dp_rank"]) for r in results) == [
+        (0, 0),
+        (0, 1),
+        (1, 0),
+        (1, 1),
+    ]
+    for result in results:
+        for got, expected in result["norms"]:
+            assert expected > mpu_tp_ranks.CLIP  # the clip is active at every step
+            assert got == pytest.approx(expected, rel=1e-5)
+    # every rank agrees on the norm (one clip coefficient for the whole model)
+    assert len({tuple(g for g, _ in r["norms"]) for r in results}) == 1
+
+
+class _NewMegatronMpu:
+    """Megatron's post-pipeline names: the tensor rank differs from the model-parallel rank."""
+
+    def get_tensor_model_parallel_rank(self) -> int:
+        return 1
+
+    def get_model_parallel_rank(self) -> int:
+        return 3
+
+
+class _SequenceParallelMpu:
+    """An mpu without model parallelism (Ulysses): no model-parallel reduction, rank 0."""
+
+    def get_sequence_parallel_rank(self) -> int:
+        return 1
+
+
+def test_which_parameters_count_on_which_tensor_parallel_rank() -> None:
+    from torch import nn
+
+    from shardspeed.runtime.zero.model_parallel_norm import (
+        is_model_parallel_parameter,
+        model_parallel_comm,
+        tensor_parallel_duplicates,
+        tensor_parallel_rank,
+    )
+
+    split, old_split, whole, marked_whole = (nn.Parameter(torch.ones(2)) for _ in range(4))
+    split.tensor_model_parallel = True  # type: ignore[attr-defined]
+    old_split.model_parallel = True  # type: ignore[attr-defined]
+    marked_whole.tensor_model_parallel = False  # type: ignore[attr-defined]
+    flags = [is_model_parallel_parameter(p) for p in (split, old_split, whole, marked_whole)]
+    assert flags == [True, True, False, False]
+    assert tensor_parallel_rank(_NewMegatronMpu()) == 1  # the tensor rank, not the model rank
+    assert tensor_parallel_rank(_SequenceParallelMpu()) == 0
+    assert tensor_parallel_rank(None) == 0
+    assert model_parallel_comm(_SequenceParallelMpu()) is None
+    model = nn.ParameterList([split, old_split, whole, marked_whole])
+    assert [id(p) for p in tensor_parallel_duplicates(model, _NewMegatronMpu())] == [
+        id(whole),
+        id(marked_whole),
+    ]
+    assert tensor_parallel_duplicates(model, None) == []  # rank 0 counts everything
