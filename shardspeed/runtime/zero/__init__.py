@@ -8,9 +8,7 @@ in the rest of the ZeRO machinery.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-from typing import Any
+from shardspeed.utils.lazy_exports import lazy_exports
 
 #: DeepSpeed's exported name -> the module that holds it here
 _NAMES = {
@@ -27,16 +25,4 @@ _NAMES = {
 __all__ = sorted(_NAMES)
 
 
-def __getattr__(name: str) -> Any:
-    if name in _NAMES:
-        value = getattr(importlib.import_module(_NAMES[name]), name)
-    elif not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
-        value = importlib.import_module(f"{__name__}.{name}")  # a submodule, on first use
-    else:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_NAMES})
+__getattr__ = lazy_exports(__name__, _NAMES)
