@@ -7,9 +7,10 @@ apart, as DeepSpeed's ``ProcessTopology(["pipe", "data", "model"])`` does. Put t
 the most traffic last (it then stays inside a node); data is usually next-to-last.
 
 Groups: torch requires every rank to call ``new_group`` for every group, in the same order,
-even for groups it is not in. A Topology therefore creates all groups eagerly in its
-constructor, in a fixed order (axes in the order given; within an axis, groups in ascending
-order of their first rank), and every rank must construct the same Topologies in the same order.
+even for groups it is not in. A Topology therefore asks :func:`shardspeed.comm.mesh.groups_for`
+for all groups eagerly in its constructor, in a fixed order (axes in the order given; within an
+axis, groups in ascending order of their first rank), and every rank must construct the same
+Topologies in the same order; groups of the same ranks made before are reused.
 An axis that spans the whole world needs no new group: its group is None, which every
 collective reads as the world group.
 """
@@ -22,7 +23,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from shardspeed.comm.state import get_rank, get_world_size, is_initialized, new_group
+from shardspeed.comm.mesh import groups_for
+from shardspeed.comm.state import get_rank, get_world_size, is_initialized
 
 
 class Topology:
@@ -75,10 +77,7 @@ class Topology:
             if self.axes[axis] == self.world_size:
                 self._groups[axis] = None
                 continue
-            for ranks in self.get_axis_groups(axis):
-                group = new_group(ranks)
-                if self.rank in ranks:
-                    self._groups[axis] = group
+            self._groups[axis] = groups_for(self.get_axis_groups(axis))
 
     # ------------------------------------------------------------------ grid arithmetic
     def _check_axis(self, axis: str) -> None:

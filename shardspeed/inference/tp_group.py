@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from shardspeed import comm
+from shardspeed.comm.mesh import Mesh
 from shardspeed.inference.config import DeepSpeedTPConfig
 
 __all__ = ["TPGroup", "resolve_tp_group"]
@@ -66,12 +67,8 @@ def resolve_tp_group(tp: DeepSpeedTPConfig, mpu: Any = None) -> TPGroup:
             f"tensor_parallel.tp_size={tp.tp_size} does not divide the world size {world}; "
             f"launch a multiple of {tp.tp_size} ranks or choose a tp_size that divides {world}."
         )
-    if tp.tp_size == world:
-        return TPGroup(group=comm.get_world_group(), rank=comm.get_rank(), size=world)
-    mine: Any = None
-    for first in range(0, world, tp.tp_size):
-        ranks = list(range(first, first + tp.tp_size))
-        group = comm.new_group(ranks)
-        if comm.get_rank() in ranks:
-            mine = group
-    return TPGroup(group=mine, rank=comm.get_rank(mine), size=tp.tp_size)
+    mesh = Mesh.grid({"dp": world // tp.tp_size, "tp": tp.tp_size})
+    group = mesh.group("tp")
+    if group is None:
+        group = comm.get_world_group()
+    return TPGroup(group=group, rank=mesh.local_rank("tp"), size=tp.tp_size)

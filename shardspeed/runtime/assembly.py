@@ -12,6 +12,11 @@ from torch import nn
 
 from shardspeed import comm
 from shardspeed.accelerator import get_accelerator
+from shardspeed.comm.parallel_topology import (
+    ParallelTopology,
+    current_topology,
+    set_current_topology,
+)
 from shardspeed.config import DeepSpeedConfig
 from shardspeed.moe.autoep import apply_autoep
 from shardspeed.runtime import checkpointer
@@ -34,28 +39,34 @@ from shardspeed.runtime.zero.registry import build_strategy
 from shardspeed.runtime.zero.strategy import StrategyContext, ZeroStrategy
 
 
-def data_parallel_group(mpu: Any) -> tuple[CommGroup, Any]:
-    """The data-parallel group (``mpu``'s, else every rank on one ``data`` axis) and the
-    topology shardspeed built for it (None with an ``mpu``)."""
-    topology = None
-    if mpu is not None:
-        group = mpu.get_data_parallel_group()
-    else:
-        topology = comm.Topology(axes={"data": comm.get_world_size()})
-        group = topology.get_group("data")
-    return CommGroup.of(group), topology
+def build_topology(mpu: Any) -> ParallelTopology:
+    """The job's topology (every rank calls it), made current for ``utils.groups``: the
+    ``mpu``'s grid (a pipeline module's grid brings its own), else every rank data parallel.
+    The current one is kept when it already describes the same grid."""
+    current = current_topology()
+    if getattr(current, "mpu", None) is mpu and (
+        mpu is not None or current.size("dp") == comm.get_world_size()
+    ):
+        return current
+    topology = getattr(mpu, "parallel_topology", None) if mpu is not None else None
+    if topology is None:
+        topology = ParallelTopology.from_mpu(mpu) if mpu is not None else ParallelTopology.build()
+    topology.mpu = mpu
+    set_current_topology(topology)
+    return topology
 
 
 def strategy_context(
     config: DeepSpeedConfig,
     precision: PrecisionPolicy,
-    dp: CommGroup,
+    topology: ParallelTopology,
     device: torch.device,
     model: nn.Module | None = None,
 ) -> StrategyContext:
     """What the ZeRO strategy needs from the config (and, for Mixture of Experts, ``model``:
     its MoE layers get their expert-parallel groups here)."""
     zero = config.zero_optimization
+    dp = CommGroup.of(topology.group("dp"))
     comm_for = None
     if model is not None:
         comm_for = expert_comm_for(
@@ -68,7 +79,7 @@ def strategy_context(
                 "zero_optimization.mics_shard_size (MiCS) with Mixture-of-Experts layers is not "
                 "supported in shardspeed; remove mics_shard_size"
             )
-        shard_over = mics_comm(dp, int(zero.mics_shard_size))
+        shard_over = mics_comm(topology, int(zero.mics_shard_size))
     return StrategyContext(
         precision=precision,
         reduce=GradReduceOptions(
@@ -142,6 +153,8 @@ def assemble(
 ) -> EngineParts:
     """Every part of an engine for ``model`` under ``config``."""
     checkpointer.check_config(config)
+    topology = build_topology(mpu)
+    dp = CommGroup.of(topology.group("dp"))
     if config.expert_parallel.enabled:  # AutoEP: swap HF MoE blocks before ZeRO sees the model
         apply_autoep(
             model,
@@ -153,7 +166,6 @@ def assemble(
         )
         if model_parameters is not None:
             model_parameters = _parameters_of(model, model_parameters)
-    dp, topology = data_parallel_group(mpu)
     precision = PrecisionPolicy.from_sections(
         config.fp16, config.bf16, config.torch_autocast, config.communication_data_type
     )
@@ -163,7 +175,7 @@ def assemble(
             model, precision.autocast_dtype, list(precision.lower_precision_safe_modules)
         )
     device = torch.device(get_accelerator().current_device_name())
-    strategy = build_strategy(model, strategy_context(config, precision, dp, device, model))
+    strategy = build_strategy(model, strategy_context(config, precision, topology, device, model))
     strategy.place_module(move=not dont_change_device)
     params = model_parameters if model_parameters is not None else model.parameters()
     basic_optimizer = build_basic_optimizer(optimizer, params, config)

@@ -1,17 +1,20 @@
 """DeepSpeed's ``deepspeed.utils.groups``: which process group each parallel axis uses.
 
-Hugging Face Transformers and Accelerate ask this module for the data-, model- and
-sequence-parallel sizes. A model-parallel unit (``mpu``, Megatron's interface) given to
-:func:`initialize` answers for the axes it knows; otherwise every rank is one data-parallel group
-and the model- and sequence-parallel axes have size 1 (shardspeed has no sequence parallelism of
-its own, so asking for such a group is an error that says so).
+Every answer comes from the job's :class:`~shardspeed.comm.parallel_topology.ParallelTopology`
+(:func:`~shardspeed.comm.parallel_topology.current_topology`): the one
+:func:`shardspeed.initialize` built, or :func:`initialize` here. A model-parallel unit (``mpu``,
+Megatron's interface) given to either places the ranks and lends its groups to that topology;
+without one every rank is data parallel and the model- and sequence-parallel axes have size 1
+(asking for such a group is then an error that says so). Hugging Face Transformers and
+Accelerate ask this module for the data-, model- and sequence-parallel sizes.
 
-Expert parallelism (Mixture of Experts) has its groups made by
-:func:`_create_expert_and_data_parallel`, once per ``ep_size``, and named ``ep_size_<n>`` as in
-DeepSpeed: each is a :class:`~shardspeed.comm.Topology` with an ``expert`` axis (the ranks that
-split one layer's experts between them) and an ``expert_data`` axis (the ranks holding the same
-experts, over which their gradients are reduced). The expert-parallel ranks are consecutive by
-default; ``use_data_before_expert_parallel_`` puts the data-parallel ranks together instead.
+Expert parallelism (Mixture of Experts) splits the topology's data-parallel axis
+(:meth:`~shardspeed.comm.parallel_topology.ParallelTopology.expert_mesh`): its groups are made
+by :func:`_create_expert_and_data_parallel`, once per ``ep_size``, and named ``ep_size_<n>`` as
+in DeepSpeed: an ``ep`` axis (the ranks that split one layer's experts between them) and an
+``edp`` axis (the ranks holding the same experts, over which their gradients are reduced). The
+expert-parallel ranks are consecutive by default; ``use_data_before_expert_parallel_`` puts the
+data-parallel ranks together instead.
 """
 
 from __future__ import annotations
@@ -19,116 +22,121 @@ from __future__ import annotations
 from typing import Any
 
 from shardspeed import comm
+from shardspeed.comm.mesh import Mesh
+from shardspeed.comm.parallel_topology import (
+    ParallelTopology,
+    current_topology,
+    set_current_topology,
+)
 
 __all__ = ["initialize", "get_mpu"]
 
-_mpu: Any = None
-#: ``ep_size_<n>`` -> the expert / expert-data grid of that expert-parallel size
-_expert_topologies: dict[str, comm.Topology] = {}
-#: the world group the expert groups were made in (a new process group makes them stale)
-_expert_world: list[Any] = []
-
-
-def _drop_stale_expert_groups() -> None:
-    world = comm.get_world_group() if comm.is_initialized() else None
-    if _expert_world and _expert_world[0] is not world:
-        _expert_topologies.clear()
-        _expert_world.clear()
-
 
 def initialize(ep_size: int = 1, mpu: Any = None) -> None:
-    """Record the model-parallel unit the groups below defer to (``None``: none) and make the
-    expert-parallel groups of ``ep_size`` (> 1; those of 1 are made by the first MoE layer)."""
-    global _mpu
-    _mpu = mpu
+    """Make the job's topology from ``mpu`` (``None``: every rank data parallel; the groups
+    the topology had are forgotten) and the expert-parallel groups of ``ep_size`` (> 1; those
+    of 1 are made by the first MoE layer). With an ``mpu`` or ``ep_size`` > 1 every rank
+    calls it."""
+    if mpu is None:
+        set_current_topology(None)
+    else:
+        comm.get_world_size()  # a clear error without a process group
+        topology = ParallelTopology.from_mpu(mpu)
+        topology.mpu = mpu
+        set_current_topology(topology)
     if ep_size > 1:
         _create_expert_and_data_parallel(ep_size)
 
 
 def get_mpu() -> Any:
-    """The model-parallel unit given to :func:`initialize`, or ``None``."""
-    return _mpu
+    """The model-parallel unit the current topology was made from, or ``None``."""
+    return getattr(current_topology(), "mpu", None)
 
 
-def _ask_mpu(method: str) -> tuple[bool, Any]:
-    if _mpu is not None and hasattr(_mpu, method):
-        return True, getattr(_mpu, method)()
-    return False, None
+def _axis_group(axis: str) -> Any:
+    group = current_topology().group(axis)
+    return comm.get_world_group() if group is None else group
 
 
 def _get_data_parallel_group() -> Any:
-    """The data-parallel group: the mpu's, else the world group."""
-    found, group = _ask_mpu("get_data_parallel_group")
-    return group if found else comm.get_world_group()
+    """The data-parallel group (the world group when every rank is data parallel)."""
+    return _axis_group("dp")
 
 
 def _get_data_parallel_world_size() -> int:
-    found, size = _ask_mpu("get_data_parallel_world_size")
-    return int(size) if found else comm.get_world_size(_get_data_parallel_group())
+    return current_topology().size("dp")
 
 
 def _get_data_parallel_rank() -> int:
-    found, rank = _ask_mpu("get_data_parallel_rank")
-    return int(rank) if found else comm.get_rank(_get_data_parallel_group())
+    return current_topology().local_rank("dp")
+
+
+#: the mpu getters that give each axis a group of its own
+_MPU_GROUPS = {
+    "tp": ("tensor_model_parallel", "slice_parallel", "model_parallel"),
+    "sp": ("sequence_parallel",),
+}
+
+
+def _has_axis(axis: str) -> bool:
+    """Whether the topology has a group for ``axis``: more than one rank on it, or an mpu
+    that names the group (of one rank)."""
+    topology = current_topology()
+    return topology.size(axis) > 1 or any(
+        hasattr(topology.mpu, f"get_{name}_group") for name in _MPU_GROUPS[axis]
+    )
 
 
 def _get_model_parallel_group() -> Any:
-    """The mpu's model-parallel group; without an mpu there is none (an error says so)."""
-    found, group = _ask_mpu("get_model_parallel_group")
-    if not found:
+    """The tensor-parallel group; without model parallelism there is none (an error says so)."""
+    if not _has_axis("tp"):
         raise RuntimeError(
             "no model-parallel group: no mpu was given (deepspeed.initialize(mpu=...) or "
             "groups.initialize(mpu=...)), so the model-parallel size is 1"
         )
-    return group
+    return _axis_group("tp")
 
 
 def _get_model_parallel_world_size() -> int:
-    found, size = _ask_mpu("get_model_parallel_world_size")
-    return int(size) if found else 1
+    return current_topology().size("tp")
 
 
 def _get_model_parallel_rank() -> int:
-    found, rank = _ask_mpu("get_model_parallel_rank")
-    return int(rank) if found else 0
+    return current_topology().local_rank("tp")
 
 
 def _get_sequence_parallel_group() -> Any:
-    """The mpu's sequence-parallel group; shardspeed has none of its own (an error says so)."""
-    found, group = _ask_mpu("get_sequence_parallel_group")
-    if not found:
+    """The sequence-parallel group; without sequence parallelism there is none (an error says
+    so)."""
+    if not _has_axis("sp"):
         raise RuntimeError(
-            "no sequence-parallel group: shardspeed has no sequence parallelism of its own and "
-            "no mpu providing get_sequence_parallel_group was given; the sequence-parallel size "
-            "is 1"
+            "no sequence-parallel group: the job's topology has no sequence-parallel axis "
+            "(no mpu providing get_sequence_parallel_group was given); the sequence-parallel "
+            "size is 1"
         )
-    return group
+    return _axis_group("sp")
 
 
 def _get_sequence_parallel_world_size() -> int:
-    found, size = _ask_mpu("get_sequence_parallel_world_size")
-    return int(size) if found else 1
+    return current_topology().size("sp")
 
 
 def _get_sequence_parallel_rank() -> int:
-    found, rank = _ask_mpu("get_sequence_parallel_rank")
-    return int(rank) if found else 0
+    return current_topology().local_rank("sp")
 
 
 def _get_sequence_data_parallel_group() -> Any:
-    """Sequence and data parallel together: the mpu's, else the data-parallel group."""
-    found, group = _ask_mpu("get_sequence_data_parallel_group")
-    return group if found else _get_data_parallel_group()
+    """Sequence and data parallel together."""
+    group = current_topology().group("dp", "sp")
+    return comm.get_world_group() if group is None else group
 
 
 def _get_sequence_data_parallel_world_size() -> int:
-    found, size = _ask_mpu("get_sequence_data_parallel_world_size")
-    return int(size) if found else _get_data_parallel_world_size()
+    return current_topology().size("dp", "sp")
 
 
 def _get_sequence_data_parallel_rank() -> int:
-    found, rank = _ask_mpu("get_sequence_data_parallel_rank")
-    return int(rank) if found else _get_data_parallel_rank()
+    return current_topology().local_rank("dp", "sp")
 
 
 def expert_group_name(ep_size: int) -> str:
@@ -142,96 +150,95 @@ def _create_expert_and_data_parallel(
     """Make the expert-parallel and expert-data-parallel groups of ``expert_parallel_size_``
     (every rank calls it; a second call with the same size does nothing).
 
-    With world size W and ep_size E: W/E expert-parallel groups of E ranks each split every MoE
-    layer's experts, and E expert-data-parallel groups of W/E ranks each hold the same experts.
-    Default order: expert-parallel ranks consecutive (``[0, 1]``, ``[2, 3]`` for W=4, E=2);
-    ``use_data_before_expert_parallel_``: expert-data-parallel ranks consecutive instead.
+    With D data-parallel ranks and ep_size E: D/E expert-parallel groups of E ranks each split
+    every MoE layer's experts, and E expert-data-parallel groups of D/E ranks each hold the
+    same experts. Default order: expert-parallel ranks consecutive (``[0, 1]``, ``[2, 3]`` for
+    D=4, E=2); ``use_data_before_expert_parallel_``: expert-data-parallel ranks consecutive.
     """
+    comm.get_world_size()  # a clear error without a process group
     ep_size = int(expert_parallel_size_)
-    name = expert_group_name(ep_size)
-    _drop_stale_expert_groups()
-    if name in _expert_topologies:
+    topology = current_topology()
+    if _named_expert_mesh(expert_group_name(ep_size)) is not None:
         return
-    world = comm.get_world_size()
-    if _get_model_parallel_world_size() > 1 or _get_sequence_parallel_world_size() > 1:
+    if topology.size("tp") > 1 or topology.size("sp") > 1:
         raise NotImplementedError(
             "expert parallelism together with model or sequence parallelism (an mpu with more "
             "than one rank on those axes) is not supported by shardspeed; use data and expert "
             "parallelism only"
         )
-    if ep_size < 1 or world % ep_size != 0:
-        raise ValueError(
-            f"ep_size={ep_size} must divide the data-parallel world size ({world}); choose an "
-            f"ep_size among {[d for d in range(1, world + 1) if world % d == 0]}"
-        )
-    axes = {"expert_data": world // ep_size, "expert": ep_size}
-    if use_data_before_expert_parallel_:
-        axes = {"expert": ep_size, "expert_data": world // ep_size}
-    _expert_topologies[name] = comm.Topology(axes=axes)
-    if not _expert_world:
-        _expert_world.append(comm.get_world_group())
+    mesh = topology.expert_mesh(ep_size, bool(use_data_before_expert_parallel_))
+    mesh.group("ep")  # every rank makes every group now, in the same order
+    mesh.group("edp")
 
 
-def _expert_topology(group_name: str) -> comm.Topology:
-    _drop_stale_expert_groups()
-    try:
-        return _expert_topologies[group_name]
-    except KeyError:
-        made = sorted(_expert_topologies) or "none"
+def _named_expert_mesh(group_name: str) -> Mesh | None:
+    for (ep_size, _), mesh in current_topology().expert_meshes().items():
+        if expert_group_name(ep_size) == group_name:
+            return mesh
+    return None
+
+
+def _expert_mesh(group_name: str) -> Mesh:
+    mesh = _named_expert_mesh(group_name)
+    if mesh is None:
+        made = sorted(expert_group_name(e) for e, _ in current_topology().expert_meshes())
         raise RuntimeError(
-            f"no expert-parallel groups named {group_name!r} (made so far: {made}); they are "
-            "made by deepspeed.initialize for the MoE layers of the model, or by "
+            f"no expert-parallel groups named {group_name!r} (made so far: {made or 'none'}); "
+            "they are made by deepspeed.initialize for the MoE layers of the model, or by "
             "groups._create_expert_and_data_parallel(ep_size)"
-        ) from None
+        )
+    return mesh
 
 
-def _group_or_world(topology: comm.Topology, axis: str) -> Any:
-    group = topology.get_group(axis)
+def _group_or_world(mesh: Mesh, axis: str) -> Any:
+    group = mesh.group(axis)
     return comm.get_world_group() if group is None else group
 
 
 def _get_expert_parallel_group(group_name: str) -> Any:
     """The process group splitting the experts of the layers named ``group_name``."""
-    return _group_or_world(_expert_topology(group_name), "expert")
+    return _group_or_world(_expert_mesh(group_name), "ep")
 
 
 def _get_expert_parallel_group_dict() -> dict[str, Any]:
-    return {name: _group_or_world(t, "expert") for name, t in _expert_topologies.items()}
+    return {
+        expert_group_name(e): _group_or_world(m, "ep")
+        for (e, _), m in current_topology().expert_meshes().items()
+    }
 
 
 def _get_expert_data_parallel_group(group_name: str) -> Any:
     """The process group over which the experts of ``group_name`` reduce their gradients."""
-    return _group_or_world(_expert_topology(group_name), "expert_data")
+    return _group_or_world(_expert_mesh(group_name), "edp")
 
 
 def _get_expert_data_parallel_group_dict() -> dict[str, Any]:
-    return {name: _group_or_world(t, "expert_data") for name, t in _expert_topologies.items()}
+    return {
+        expert_group_name(e): _group_or_world(m, "edp")
+        for (e, _), m in current_topology().expert_meshes().items()
+    }
 
 
 def _get_expert_parallel_ranks(group_name: str) -> list[int]:
     """Global ranks of this rank's expert-parallel group."""
-    return _expert_topology(group_name).get_ranks("expert")
+    return _expert_mesh(group_name).ranks("ep")
 
 
 def _get_expert_data_parallel_ranks(group_name: str) -> list[int]:
     """Global ranks of this rank's expert-data-parallel group."""
-    return _expert_topology(group_name).get_ranks("expert_data")
+    return _expert_mesh(group_name).ranks("edp")
 
 
 def _get_expert_parallel_world_size(group_name: str = "") -> int:
     """Expert-parallel size of ``group_name`` (1 for a name with no groups, as with no MoE)."""
-    _drop_stale_expert_groups()
-    if group_name not in _expert_topologies:
-        return 1
-    return _expert_topologies[group_name].get_world_size("expert")
+    mesh = _named_expert_mesh(group_name)
+    return 1 if mesh is None else mesh.size("ep")
 
 
 def _get_expert_parallel_rank(group_name: str = "") -> int:
     """This rank's index in its expert-parallel group (0 for a name with no groups)."""
-    _drop_stale_expert_groups()
-    if group_name not in _expert_topologies:
-        return 0
-    return _expert_topologies[group_name].get_rank("expert")
+    mesh = _named_expert_mesh(group_name)
+    return 0 if mesh is None else mesh.local_rank("ep")
 
 
 def _get_expert_parallel_src_rank(group_name: str) -> int:
@@ -240,11 +247,11 @@ def _get_expert_parallel_src_rank(group_name: str) -> int:
 
 
 def _get_expert_data_parallel_world_size(group_name: str) -> int:
-    return _expert_topology(group_name).get_world_size("expert_data")
+    return _expert_mesh(group_name).size("edp")
 
 
 def _get_expert_data_parallel_rank(group_name: str) -> int:
-    return _expert_topology(group_name).get_rank("expert_data")
+    return _expert_mesh(group_name).local_rank("edp")
 
 
 def _get_expert_data_parallel_src_rank(group_name: str) -> int:
@@ -254,8 +261,7 @@ def _get_expert_data_parallel_src_rank(group_name: str) -> int:
 
 def _get_max_expert_size() -> int:
     """The largest expert-parallel size with groups (1 if none)."""
-    sizes = [t.get_world_size("expert") for t in _expert_topologies.values()]
-    return max(sizes, default=1)
+    return max((e for e, _ in current_topology().expert_meshes()), default=1)
 
 
 def _get_max_expert_size_name() -> str:
@@ -268,8 +274,7 @@ def _get_max_expert_parallel_group() -> Any:
 
 def _forget_expert_groups() -> None:
     """Forget every expert group (the process group they belong to was destroyed)."""
-    _expert_topologies.clear()
-    _expert_world.clear()
+    set_current_topology(None)
 
 
 def _get_broadcast_src_rank() -> int:

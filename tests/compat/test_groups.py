@@ -16,34 +16,6 @@ def no_mpu() -> Iterator[None]:
     groups.initialize(mpu=None)
 
 
-class FakeMpu:
-    """Megatron's interface, with a sequence-parallel axis of 2 inside 4 data-parallel ranks."""
-
-    def get_data_parallel_group(self) -> str:
-        return "dp-group"
-
-    def get_data_parallel_world_size(self) -> int:
-        return 4
-
-    def get_data_parallel_rank(self) -> int:
-        return 3
-
-    def get_model_parallel_world_size(self) -> int:
-        return 2
-
-    def get_model_parallel_rank(self) -> int:
-        return 1
-
-    def get_sequence_parallel_group(self) -> str:
-        return "sp-group"
-
-    def get_sequence_parallel_world_size(self) -> int:
-        return 2
-
-    def get_sequence_parallel_rank(self) -> int:
-        return 1
-
-
 def _world_answers() -> tuple:
     from shardspeed import comm
 
@@ -63,17 +35,7 @@ def test_without_mpu_every_rank_is_data_parallel(dist_pool) -> None:
     assert dist_pool(2).run(_world_answers) == [(True, True, True, 1, 0, True, 1, 0)] * 2
 
 
-def test_mpu_answers_what_it_knows() -> None:
-    groups.initialize(mpu=FakeMpu())
-    assert groups.get_mpu() is not None
-    assert groups._get_data_parallel_group() == "dp-group"
-    assert (groups._get_data_parallel_world_size(), groups._get_data_parallel_rank()) == (4, 3)
-    assert (groups._get_model_parallel_world_size(), groups._get_model_parallel_rank()) == (2, 1)
-    assert groups._get_sequence_parallel_group() == "sp-group"
-    assert groups._get_sequence_parallel_world_size() == 2
-    assert groups._get_sequence_data_parallel_world_size() == 4
-    with pytest.raises(RuntimeError, match="no model-parallel group"):
-        groups._get_model_parallel_group()
+# an mpu's answers (its groups adopted by the topology): tests/comm/test_parallel_topology.py
 
 
 def test_missing_axes_and_expert_parallel_say_so() -> None:

@@ -169,7 +169,9 @@ def _close(got: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7, msg=lambda m: f"{what}: {m}")
 
 
-def train_against_whole(stage: int, steps: int = 3) -> dict[str, Any]:
+def train_against_whole(
+    stage: int, steps: int = 3, zero_extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Train the split model under ``initialize(mpu=...)`` at ZeRO ``stage`` with clipping, and
     the whole model in this process on both data-parallel ranks' batches; compare each step's
     global norm, the clipped gradients the optimizer steps with, and the parameters after."""
@@ -181,7 +183,7 @@ def train_against_whole(stage: int, steps: int = 3) -> dict[str, Any]:
     config = {
         "train_micro_batch_size_per_gpu": MICRO_BATCH,
         "gradient_clipping": CLIP,
-        "zero_optimization": {"stage": stage},
+        "zero_optimization": {"stage": stage, **(zero_extra or {})},
         "zero_allow_untested_optimizer": True,
     }
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
@@ -221,5 +223,10 @@ def train_against_whole(stage: int, steps: int = 3) -> dict[str, Any]:
         reference.zero_grad()
         for name, full in whole.named_parameters():
             _close(named[name].detach(), _shard_of(name, full.detach(), mpu), f"step {step} {name}")
+    shard_over = engine.strategy.ctx.shard_over
+    shards = None
+    if shard_over is not None:  # MiCS: (shard group size, replica group size)
+        replicas = shard_over.replicated_over
+        shards = (shard_over.world_size, 1 if replicas is None else replicas.world_size)
     engine.destroy()
-    return {"norms": norms, "tp_rank": mpu.tp_rank, "dp_rank": mpu.dp_rank}
+    return {"norms": norms, "tp_rank": mpu.tp_rank, "dp_rank": mpu.dp_rank, "shards": shards}

@@ -29,6 +29,23 @@ def test_mpu_tensor_parallel_norm_and_clip_equal_whole_model(dist_pool, stage: i
     assert len({tuple(g for g, _ in r["norms"]) for r in results}) == 1
 
 
+@pytest.mark.timeout(300)
+def test_mics_shards_inside_the_mpu_data_parallel_group(dist_pool) -> None:
+    """MiCS within a data-parallel group smaller than the world: tensor parallel 2 x data
+    parallel 4 on 8 ranks, ZeRO-3 state sharded over pairs of data-parallel ranks and
+    replicated over the other pair, equal to the whole model in one process."""
+    results = dist_pool(8).run(
+        mpu_tp_ranks.train_against_whole, 3, 2, {"mics_shard_size": 2}, timeout_s=240
+    )
+    assert sorted((r["tp_rank"], r["dp_rank"]) for r in results) == [
+        (t, d) for t in range(2) for d in range(4)
+    ]
+    for result in results:
+        assert result["shards"] == (2, 2)
+        for got, expected in result["norms"]:
+            assert got == pytest.approx(expected, rel=1e-5)
+
+
 class _NewMegatronMpu:
     """Megatron's post-pipeline names: the tensor rank differs from the model-parallel rank."""
 

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from shardspeed import comm
+from shardspeed.comm.mesh import groups_for
 from shardspeed.runtime.pipe.layer_spec import TiedLayerSpec
 
 if TYPE_CHECKING:
@@ -68,18 +69,12 @@ class TiedWeights:
                 coord = topo.get_coord(rank)._asdict()
                 if coord["pipe"] in stages:
                     classes.setdefault(tuple(coord[a] for a in others), []).append(rank)
-            for position, ranks in sorted(classes.items()):
-                group = comm.new_group(sorted(ranks))
-                if module.stage_id in stages and position == tuple(me[a] for a in others):
-                    self.ties.append(
-                        Tie(
-                            key,
-                            sorted(ranks),
-                            group,
-                            module.tied_modules[key],
-                            module.tied_weight_attrs[key],
-                        )
-                    )
+            group = groups_for([sorted(ranks) for _, ranks in sorted(classes.items())])
+            if module.stage_id in stages:
+                ranks = sorted(classes[tuple(me[a] for a in others)])
+                self.ties.append(
+                    Tie(key, ranks, group, module.tied_modules[key], module.tied_weight_attrs[key])
+                )
 
     def synchronize(self) -> None:
         """Every stage starts from the first stage's copy of each tied weight."""

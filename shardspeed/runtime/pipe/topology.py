@@ -7,12 +7,17 @@ groups): coordinates map to ranks row-major, the last axis varying fastest, so
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import namedtuple
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import torch
+
 from shardspeed import comm
+from shardspeed.comm.mesh import groups_for
+from shardspeed.comm.parallel_topology import ParallelTopology
 from shardspeed.comm.topology import Topology
 
 
@@ -177,6 +182,24 @@ class PipelineParallelGrid:
         self.pp_proc_group, self.pp_group = self._groups_over(self.pipe_groups)
         self.model_groups = self._comm_lists("model")
         self.slice_proc_group, self.slice_group = self._groups_over(self.model_groups)
+        #: the job's topology this grid describes (None for axes other than pipe/data/model)
+        self.parallel_topology = self._parallel_topology()
+
+    def _parallel_topology(self) -> ParallelTopology | None:
+        """The grid as a :class:`ParallelTopology` (pipe -> ``pp``, data -> ``dp``, model ->
+        ``tp``), whose groups are the ones made above."""
+        topo = self._topo
+        if not set(topo.axes) <= {"pipe", "data", "model"}:
+            return None
+        dims = {
+            axis: topo.get_dim(axis) if axis in topo.axes else 1
+            for axis in ("pipe", "data", "model")
+        }
+        table = torch.empty(dims["pipe"], dims["data"], 1, dims["model"], dtype=torch.int64)
+        for p, d, m in itertools.product(*(range(n) for n in dims.values())):
+            coord = {"pipe": p, "data": d, "model": m}
+            table[p, d, 0, m] = topo.get_rank(**{a: coord[a] for a in topo.axes})
+        return ParallelTopology.from_table(table)
 
     def _comm_lists(self, axis: str) -> list[list[int]]:
         """The rank lists along ``axis``; one list per rank when the grid lacks the axis."""
@@ -184,15 +207,11 @@ class PipelineParallelGrid:
         return lists or [[rank] for rank in range(self.world_size)]
 
     def _groups_over(self, rank_lists: list[list[int]]) -> tuple[Any, list[int]]:
-        """Make one process group per list (every rank makes every group, in order); returns
-        this rank's group and list. A list spanning the world uses the world group (None)."""
-        mine_group: Any = None
-        mine_ranks: list[int] = []
-        for ranks in rank_lists:
-            group = None if len(ranks) == self.world_size else comm.new_group(ranks)
-            if self.global_rank in ranks:
-                mine_group, mine_ranks = group, list(ranks)
-        return mine_group, mine_ranks
+        """One process group per list (every rank asks for every group, in order; groups of the
+        same ranks made before are reused); returns this rank's group and list. A list
+        spanning the world uses the world group (None)."""
+        mine = next(list(ranks) for ranks in rank_lists if self.global_rank in ranks)
+        return groups_for(rank_lists), mine
 
     def _build_p2p_groups(self) -> list[list[int]]:
         """``[rank, next stage's rank]`` for every rank (the last stage wraps to the first)."""

@@ -12,45 +12,36 @@ from __future__ import annotations
 import dataclasses
 
 from shardspeed import comm
+from shardspeed.comm.parallel_topology import ParallelTopology, current_topology
 from shardspeed.runtime.zero.comm_group import CommGroup
 
-#: (world group, shard size) -> the grid, made once per process group (its groups are collective)
-_GRIDS: dict[tuple[int, int], comm.Topology] = {}
 
-
-def _grid(shard_size: int) -> comm.Topology:
-    key = (id(comm.get_world_group()), shard_size)
-    if key not in _GRIDS:
-        world = comm.get_world_size()
-        _GRIDS[key] = comm.Topology(
-            axes={"mics_replica": world // shard_size, "mics_shard": shard_size}
-        )
-    return _GRIDS[key]
-
-
-def mics_comm(data_parallel: CommGroup, shard_size: int) -> CommGroup:
-    """The shard group of this rank for ``zero_optimization.mics_shard_size`` (every rank calls
-    it, in the same order)."""
-    world = comm.get_world_size()
-    if data_parallel.world_size != world:
-        raise NotImplementedError(
-            "zero_optimization.mics_shard_size needs the data-parallel group to be the whole "
-            f"world (here {data_parallel.world_size} of {world} ranks: pipeline or model "
-            "parallelism is in use); remove mics_shard_size"
-        )
-    if shard_size < 1 or world % shard_size:
+def _sharded(topology: ParallelTopology, shard_size: int) -> ParallelTopology:
+    dp = topology.size("dp")
+    if shard_size < 1 or dp % shard_size:
         raise ValueError(
-            f"zero_optimization.mics_shard_size={shard_size} must divide the world size "
-            f"({world}); choose one of {[d for d in range(1, world + 1) if world % d == 0]}"
+            f"zero_optimization.mics_shard_size={shard_size} must divide the data-parallel size "
+            f"({dp}); choose one of {[d for d in range(1, dp + 1) if dp % d == 0]}"
         )
-    grid = _grid(shard_size)
-    shards = CommGroup.of(grid.get_group("mics_shard"))
-    replicas = CommGroup.of(grid.get_group("mics_replica"))
+    return topology.with_dp_shard(shard_size)
+
+
+def mics_comm(topology: ParallelTopology, shard_size: int) -> CommGroup:
+    """This rank's shard group for ``zero_optimization.mics_shard_size``: groups of
+    ``shard_size`` consecutive data-parallel ranks of ``topology``, replicated over the others
+    (every rank calls it, in the same order)."""
+    grid = _sharded(topology, shard_size)
+    shards = CommGroup.of(grid.group("dp_shard"))
+    replicas = CommGroup.of(grid.group("dp_replicate"))
     return dataclasses.replace(
-        shards, average_over=world, replicated_over=replicas if replicas.partitioned else None
+        shards,
+        average_over=topology.size("dp"),
+        replicated_over=replicas if replicas.partitioned else None,
     )
 
 
-def mics_process_group(shard_size: int) -> comm.ProcessGroup | None:
-    """This rank's MiCS shard process group (``zero.MiCS_Init`` partitions over it)."""
-    return _grid(shard_size).get_group("mics_shard")
+def mics_process_group(shard_size: int, mpu: object = None) -> comm.ProcessGroup | None:
+    """This rank's MiCS shard process group (``zero.MiCS_Init`` partitions over it): within the
+    data-parallel axis of ``mpu``'s grid, else of the job's topology."""
+    topology = current_topology() if mpu is None else ParallelTopology.from_mpu(mpu)
+    return _sharded(topology, shard_size).group("dp_shard")

@@ -44,18 +44,13 @@ class MiCS_Init(Init):  # noqa: N801 - DeepSpeed's name
                     "zero.MiCS_Init needs zero_optimization.mics_shard_size > 0 in its config "
                     "(config_dict_or_path=...); pass the DeepSpeed config the engine will use"
                 )
-            wide = data_parallel_group if data_parallel_group is not None else None
-            if mpu is not None or (wide is not None and wide is not comm.get_world_group()):
+            wide = data_parallel_group
+            if wide is not None and wide is not comm.get_world_group():
                 raise NotImplementedError(
-                    "zero.MiCS_Init shards within groups of the whole world only; leave "
-                    "data_parallel_group and mpu unset"
+                    "zero.MiCS_Init takes the data-parallel axis from the mpu (mpu=...) or the "
+                    "job's topology, not from a bare data_parallel_group; pass mpu= instead"
                 )
-            if comm.get_world_size() % size:
-                raise ValueError(
-                    f"zero_optimization.mics_shard_size={size} must divide the world size "
-                    f"({comm.get_world_size()})"
-                )
-            group = mics_process_group(size)
+            group = mics_process_group(size, mpu)
         super().__init__(
             module=module,
             data_parallel_group=group,
