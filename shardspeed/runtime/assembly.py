@@ -183,7 +183,7 @@ def assemble(
     if basic_optimizer is not None:
         strategy.bind_optimizer(basic_optimizer)
         # with an mpu the norm also adds the tensor-parallel shards and pipeline stages
-        reducer = model_parallel_reducer(strategy, model, mpu)
+        reducer = model_parallel_reducer(strategy, model, topology)
         wrapped = wrap_optimizer(strategy, config, precision, reducer)
     state = TrainState()
     loader = None

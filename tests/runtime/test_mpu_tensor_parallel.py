@@ -46,31 +46,14 @@ def test_mics_shards_inside_the_mpu_data_parallel_group(dist_pool) -> None:
             assert got == pytest.approx(expected, rel=1e-5)
 
 
-class _NewMegatronMpu:
-    """Megatron's post-pipeline names: the tensor rank differs from the model-parallel rank."""
-
-    def get_tensor_model_parallel_rank(self) -> int:
-        return 1
-
-    def get_model_parallel_rank(self) -> int:
-        return 3
-
-
-class _SequenceParallelMpu:
-    """An mpu without model parallelism (Ulysses): no model-parallel reduction, rank 0."""
-
-    def get_sequence_parallel_rank(self) -> int:
-        return 1
-
-
 def test_which_parameters_count_on_which_tensor_parallel_rank() -> None:
     from torch import nn
 
+    from shardspeed.comm.parallel_topology import ParallelTopology
     from shardspeed.runtime.zero.model_parallel_norm import (
         is_model_parallel_parameter,
         model_parallel_comm,
         tensor_parallel_duplicates,
-        tensor_parallel_rank,
     )
 
     split, old_split, whole, marked_whole = (nn.Parameter(torch.ones(2)) for _ in range(4))
@@ -79,13 +62,12 @@ def test_which_parameters_count_on_which_tensor_parallel_rank() -> None:
     marked_whole.tensor_model_parallel = False  # type: ignore[attr-defined]
     flags = [is_model_parallel_parameter(p) for p in (split, old_split, whole, marked_whole)]
     assert flags == [True, True, False, False]
-    assert tensor_parallel_rank(_NewMegatronMpu()) == 1  # the tensor rank, not the model rank
-    assert tensor_parallel_rank(_SequenceParallelMpu()) == 0
-    assert tensor_parallel_rank(None) == 0
-    assert model_parallel_comm(_SequenceParallelMpu()) is None
     model = nn.ParameterList([split, old_split, whole, marked_whole])
-    assert [id(p) for p in tensor_parallel_duplicates(model, _NewMegatronMpu())] == [
+    second = ParallelTopology.build(tp=2, world_size=4, rank=1)  # tensor rank 1
+    assert [id(p) for p in tensor_parallel_duplicates(model, second)] == [
         id(whole),
         id(marked_whole),
     ]
-    assert tensor_parallel_duplicates(model, None) == []  # rank 0 counts everything
+    first = ParallelTopology.build(tp=2, world_size=4, rank=2)  # tensor rank 0
+    assert tensor_parallel_duplicates(model, first) == []  # rank 0 counts everything
+    assert model_parallel_comm(ParallelTopology.build(sp=2, world_size=4, rank=1)) is None

@@ -63,5 +63,5 @@ def attach_pipeline_norm(parts: EngineParts, model: PipelineModule) -> None:
     if parts.optimizer is None:
         return
     parts.optimizer.reducer = model_parallel_reducer(
-        parts.strategy, model, model.mpu(), also_uncounted=model.tied.duplicates()
+        parts.strategy, model, parts.topology, also_uncounted=model.tied.duplicates()
     )

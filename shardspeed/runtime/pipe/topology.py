@@ -7,7 +7,6 @@ groups): coordinates map to ranks row-major, the last axis varying fastest, so
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections import namedtuple
 from collections.abc import Iterable, Sequence
@@ -182,24 +181,19 @@ class PipelineParallelGrid:
         self.pp_proc_group, self.pp_group = self._groups_over(self.pipe_groups)
         self.model_groups = self._comm_lists("model")
         self.slice_proc_group, self.slice_group = self._groups_over(self.model_groups)
-        #: the job's topology this grid describes (None for axes other than pipe/data/model)
+        #: the job's topology this grid describes
         self.parallel_topology = self._parallel_topology()
 
-    def _parallel_topology(self) -> ParallelTopology | None:
-        """The grid as a :class:`ParallelTopology` (pipe -> ``pp``, data -> ``dp``, model ->
-        ``tp``), whose groups are the ones made above."""
+    def _parallel_topology(self) -> ParallelTopology:
+        """The grid as the job's :class:`ParallelTopology`: pipe -> ``pp``, data -> ``dp``,
+        every other axis (``model``) -> ``tp``; its groups are the ones made above."""
         topo = self._topo
-        if not set(topo.axes) <= {"pipe", "data", "model"}:
-            return None
-        dims = {
-            axis: topo.get_dim(axis) if axis in topo.axes else 1
-            for axis in ("pipe", "data", "model")
-        }
-        table = torch.empty(dims["pipe"], dims["data"], 1, dims["model"], dtype=torch.int64)
-        for p, d, m in itertools.product(*(range(n) for n in dims.values())):
-            coord = {"pipe": p, "data": d, "model": m}
-            table[p, d, 0, m] = topo.get_rank(**{a: coord[a] for a in topo.axes})
-        return ParallelTopology.from_table(table)
+        order = [topo.axes.index(a) for a in ("pipe", "data") if a in topo.axes]
+        order += [i for i, a in enumerate(topo.axes) if a not in ("pipe", "data")]
+        table = torch.arange(self.world_size).reshape(topo.dims).permute(order)
+        pp = topo.get_dim("pipe") if "pipe" in topo.axes else 1
+        dp = topo.get_dim("data") if "data" in topo.axes else 1
+        return ParallelTopology.from_table(table.reshape(pp, dp, 1, self.world_size // (pp * dp)))
 
     def _comm_lists(self, axis: str) -> list[list[int]]:
         """The rank lists along ``axis``; one list per rank when the grid lacks the axis."""

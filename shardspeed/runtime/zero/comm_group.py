@@ -1,9 +1,22 @@
-"""A process group with this rank's place in it: what a shard group communicates over."""
+"""A process group with this rank's place in it: what a shard group communicates over, and the
+collectives the ZeRO buffers run over it.
+
+The buffers (flat shards, gradient buckets, replicated groups) never call ``shardspeed.comm``
+themselves: they ask their group to all-gather, reduce-scatter, all-reduce or broadcast. That
+is where a group that communicates differently plugs in: MiCS's reduce-scatter is followed by
+an all-reduce over the replica groups here (:meth:`CommGroup.reduce_scatter`), and quantized or
+hierarchical collectives (ZeRO++) are the same four verbs on another group.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+import torch
+
+from shardspeed import comm
 from shardspeed.comm import ProcessGroup
 
 
@@ -51,11 +64,55 @@ class CommGroup:
     @classmethod
     def of(cls, group: ProcessGroup | None) -> CommGroup:
         """``group`` (None: the world) with this rank's place in it."""
-        from shardspeed import comm
-
         return cls(group, comm.get_rank(group), comm.get_world_size(group))
 
     @classmethod
     def single(cls) -> CommGroup:
         """One rank alone (no collectives)."""
         return cls(group=None, rank=0, world_size=1)
+
+    # -- collectives ------------------------------------------------------------------------
+    def global_rank(self, member: int = 0) -> int:
+        """The global rank of the group's ``member``-th rank."""
+        return comm.get_global_rank(self.group, member) if self.group is not None else member
+
+    def broadcast(self, tensor: torch.Tensor, member: int = 0) -> None:
+        """Every rank's ``tensor`` becomes member ``member``'s (nothing to do alone)."""
+        if self.partitioned:
+            comm.broadcast(tensor, src=self.global_rank(member), group=self.group)
+
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> Any:
+        """Concatenate every rank's ``shard`` into ``output`` in group-rank order."""
+        return comm.all_gather_into_tensor(output, shard, group=self.group, async_op=async_op)
+
+    def all_reduce(self, tensor: torch.Tensor, op: Any = None, async_op: bool = False) -> Any:
+        """Reduce ``tensor`` in place over the group (sum by default)."""
+        op = comm.ReduceOp.SUM if op is None else op
+        return comm.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
+
+    def reduce_scatter(
+        self, output: torch.Tensor, source: torch.Tensor, async_op: bool = False
+    ) -> Any:
+        """Sum ``source`` over the ranks holding this shard and leave this rank's part in
+        ``output``: the group's reduce-scatter, then (MiCS) an all-reduce of the part over
+        the replicas holding the same shard in the other groups."""
+        work = comm.reduce_scatter_tensor(output, source, group=self.group, async_op=async_op)
+        replicas = self.replicated_over
+        if replicas is None:
+            return work
+        if not async_op:
+            replicas.all_reduce(output)
+            return None
+        return _ThenWork(work, lambda: replicas.all_reduce(output))
+
+
+class _ThenWork:
+    """A collective's work handle whose :meth:`wait` also runs what must follow it."""
+
+    def __init__(self, work: Any, then: Callable[[], Any]) -> None:
+        self.work, self.then = work, then
+
+    def wait(self) -> bool:
+        self.work.wait()
+        self.then()
+        return True

@@ -38,7 +38,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from shardspeed import comm
 from shardspeed.runtime.zero.comm_group import CommGroup
 
 if TYPE_CHECKING:
@@ -145,9 +144,7 @@ class FlatShard:
                 self.store.pin(self.key, True)
             return None
         self.full.untyped_storage().resize_(self._nbytes)
-        return comm.all_gather_into_tensor(
-            self.full, self._source(), group=self.comm.group, async_op=True
-        )
+        return self.comm.all_gather(self.full, self._source(), async_op=True)
 
     def refresh(self) -> Any:
         """All-gather the (updated) shards into a full buffer that is gathered already
@@ -155,9 +152,7 @@ class FlatShard:
         if not self.gathered or not self.comm.partitioned:
             return None
         self._shard_in()
-        work = comm.all_gather_into_tensor(
-            self.full, self._source(), group=self.comm.group, async_op=True
-        )
+        work = self.comm.all_gather(self.full, self._source(), async_op=True)
         if self.store is None:
             return work
         work.wait()
@@ -275,4 +270,4 @@ class _ReadThenGather:
         for read in self.reads:
             read.wait()
         flat = self.flat
-        comm.all_gather_into_tensor(flat.full, flat._source(), group=flat.comm.group)
+        flat.comm.all_gather(flat.full, flat._source())

@@ -27,7 +27,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardspeed import comm
 from shardspeed.accelerator import get_accelerator
 from shardspeed.runtime.zero.comm_group import CommGroup
 from shardspeed.runtime.zero.flat_shard import pack_flat_shards
@@ -247,10 +246,8 @@ class Init:
         params = [param for _, param in fresh]
         records = [ParamRecord(name, param) for name, param in fresh]
         flats = pack_flat_shards(params, self.comm)
-        src = comm.get_global_rank(self.comm.group, 0) if self.comm.group is not None else 0
         for flat in flats:
-            if self.comm.partitioned:  # every rank starts from rank 0's values
-                comm.broadcast(flat.full, src=src, group=self.comm.group)
+            self.comm.broadcast(flat.full)  # every rank starts from rank 0's values
             flat.keep_full_values()
         unit = GatherUnit(-1, type(module).__name__, module, records, flats=flats)
         module.__dict__[CONSTRUCTED_UNIT_ATTR] = unit

@@ -1,10 +1,10 @@
-"""The global gradient norm under model parallelism: a Megatron ``mpu`` (tensor parallelism,
-with or without pipeline stages) or a pipeline grid.
+"""The global gradient norm under model parallelism: the job's topology with tensor-parallel
+or pipeline axes (from a Megatron ``mpu`` or a pipeline grid).
 
 DeepSpeed's rule (``clip_grad_norm_`` and the ZeRO optimizers given an ``mpu``): each rank adds
 the squares of the gradients it holds, the data-parallel sums are added as ZeRO splits them, and
-the total is added over the ``mpu``'s model-parallel group (tensor-parallel shards and pipeline
-stages). A parameter split over the tensor-parallel ranks (``tensor_model_parallel`` or
+the total is added over the model-parallel group (the topology's ``pp`` x ``tp`` ranks: tensor-
+parallel shards and pipeline stages). A parameter split over the tensor-parallel ranks (``tensor_model_parallel`` or
 ``model_parallel`` set true, :func:`is_model_parallel_parameter`) counts on every one of them; a
 parameter every tensor-parallel rank holds whole (a layer norm, the bias of a row-parallel
 linear) counts on tensor-parallel rank 0 only. Tied pipeline weights likewise count on the first
@@ -18,11 +18,11 @@ gradients, split over the same process group as its shard group's own part.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import nn
 
+from shardspeed.comm.parallel_topology import ParallelTopology
 from shardspeed.runtime.zero.comm_group import CommGroup
 from shardspeed.runtime.zero.grad_norm import GradNormReducer, GradSquares
 from shardspeed.runtime.zero.strategy import ZeroStrategy
@@ -36,36 +36,17 @@ def is_model_parallel_parameter(param: torch.Tensor) -> bool:
     )
 
 
-def tensor_parallel_rank(mpu: Any) -> int:
-    """This rank's tensor-parallel index: Megatron's ``get_tensor_model_parallel_rank``, a
-    pipeline grid's ``get_slice_parallel_rank``, else the older ``get_model_parallel_rank``
-    (0 without an ``mpu`` or without any of them)."""
-    if mpu is None:
-        return 0
-    for method in (
-        "get_tensor_model_parallel_rank",
-        "get_slice_parallel_rank",
-        "get_model_parallel_rank",
-    ):
-        if hasattr(mpu, method):
-            return int(getattr(mpu, method)())
-    return 0
-
-
-def model_parallel_comm(mpu: Any) -> CommGroup | None:
-    """The ``mpu``'s model-parallel group (the ranks holding one copy of the model together:
-    tensor shards and pipeline stages), or None where it has no model parallelism."""
-    if mpu is None or not hasattr(mpu, "get_model_parallel_group"):
+def model_parallel_comm(topology: ParallelTopology) -> CommGroup | None:
+    """The ranks holding one copy of the model together (tensor shards and pipeline stages:
+    the topology's ``pp`` x ``tp`` group), or None where there is no model parallelism."""
+    if topology.size("pp", "tp") <= 1:
         return None
-    if hasattr(mpu, "get_model_parallel_world_size") and mpu.get_model_parallel_world_size() <= 1:
-        return None
-    group = CommGroup.of(mpu.get_model_parallel_group())  # None: the world (a pipeline grid's)
-    return group if group.partitioned else None
+    return CommGroup.of(topology.group("pp", "tp"))  # None: the world (a pipeline grid's)
 
 
-def tensor_parallel_duplicates(model: nn.Module, mpu: Any) -> list[nn.Parameter]:
+def tensor_parallel_duplicates(model: nn.Module, topology: ParallelTopology) -> list[nn.Parameter]:
     """The parameters this rank holds whole but another tensor-parallel rank (rank 0) counts."""
-    if tensor_parallel_rank(mpu) == 0:
+    if topology.local_rank("tp") == 0:
         return []
     return [p for p in model.parameters() if not is_model_parallel_parameter(p)]
 
@@ -114,13 +95,14 @@ class ModelParallelNormReducer(GradNormReducer):
 def model_parallel_reducer(
     strategy: ZeroStrategy,
     model: nn.Module,
-    mpu: Any,
+    topology: ParallelTopology,
     also_uncounted: Sequence[torch.Tensor] = (),
 ) -> GradNormReducer:
-    """The norm reducer for ``model`` under ``mpu``: over the data-parallel groups alone
-    without one; with one, also over its model-parallel group, each parameter counted once."""
-    model_parallel = model_parallel_comm(mpu)
-    duplicates = tensor_parallel_duplicates(model, mpu) if model_parallel is not None else []
+    """The norm reducer for ``model`` on ``topology``: over the data-parallel groups alone
+    without model parallelism; with it, also over the model-parallel group (pipeline stages
+    and tensor shards), each parameter counted once."""
+    model_parallel = model_parallel_comm(topology)
+    duplicates = tensor_parallel_duplicates(model, topology) if model_parallel is not None else []
     # a tied weight every tensor-parallel rank holds whole is left out once, not twice
     uncounted = list({id(p): p for p in [*duplicates, *also_uncounted]}.values())
     if model_parallel is None and not uncounted:

@@ -33,7 +33,6 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from shardspeed import comm
 from shardspeed.runtime.zero.buckets import GradBucket
 from shardspeed.runtime.zero.comm_group import CommGroup
 from shardspeed.runtime.zero.flat_shard import FlatShard, pack_flat_shards
@@ -163,13 +162,13 @@ class ParamSharding:
     # -- setting up -------------------------------------------------------------------------
     @torch.no_grad()
     def shard(
-        self, dtype: torch.dtype | None, device: torch.device | None, src: int | None
+        self, dtype: torch.dtype | None, device: torch.device | None, broadcast: bool
     ) -> None:
         """Keep only this rank's shard of every parameter, unit by unit, and install the hooks.
 
         Each unit's parameters are cast to ``dtype`` (floating ones; None keeps theirs), moved
-        to ``device`` (None keeps it) and, if ``src`` is a global rank, given that rank's
-        values. Parameters partitioned at construction (``zero.Init``) are gathered one unit at
+        to ``device`` (None keeps it) and, with ``broadcast``, given the values of the first
+        rank of the broadcast source group. Parameters partitioned at construction (``zero.Init``) are gathered one unit at
         a time, so the whole model is never held at once."""
         constructed = constructed_units(self.module)
         # how many of each construction-time unit's parameters are still to move: its shards
@@ -186,9 +185,9 @@ class ParamSharding:
                 cast = dtype if dtype is not None and param.is_floating_point() else param.dtype
                 param.data = param.data.to(device=device or param.device, dtype=cast)
             unit.flats = pack_flat_shards([r.param for r in unit.records], self.comm)
-            if src is not None and self.source.partitioned:
+            if broadcast and self.source.partitioned:
                 for flat in unit.flats:
-                    comm.broadcast(flat.full, src=src, group=self.source.group)
+                    self.source.broadcast(flat.full)
                     flat.keep_full_values()
             small = all(r.numel < self.options.param_persistence_threshold for r in unit.records)
             if small and unit.numel <= budget:

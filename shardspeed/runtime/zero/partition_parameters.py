@@ -26,7 +26,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardspeed import comm
 from shardspeed.runtime.zero.gather_units import GatherUnit, external_parameters
 from shardspeed.runtime.zero.records import record_of
 from shardspeed.runtime.zero.zero_parameter import (
@@ -147,10 +146,7 @@ def publish(units: Sequence[GatherUnit], rank: int) -> None:
     every rank's shards follow them."""
     for unit in units:
         for flat in unit.flats:
-            group = flat.comm.group
-            if flat.comm.partitioned:
-                src = comm.get_global_rank(group, rank) if group is not None else rank
-                comm.broadcast(flat.full, src=src, group=group)
+            flat.comm.broadcast(flat.full, member=rank)
             flat.keep_full_values()
 
 

@@ -200,15 +200,12 @@ class PartitionedGroup(ShardGroup):
         target, overwrite = self.mode.target(self, bucket)
         direct = overwrite and target.dtype == source.dtype
         output = target if direct else torch.empty_like(target, dtype=source.dtype)
-        work = comm.reduce_scatter_tensor(output, source, group=self.comm.group, async_op=True)
+        work = self.comm.reduce_scatter(output, source, async_op=True)
         self.inflight.add(work, partial(self._finish, bucket, output, target, overwrite))
 
     def _finish(
         self, bucket: GradBucket, output: torch.Tensor, target: torch.Tensor, overwrite: bool
     ) -> None:
-        replicas = self.comm.replicated_over
-        if replicas is not None:  # MiCS: the same shard's gradients from the other groups
-            comm.all_reduce(output, group=replicas.group)
         if self.post_scale != 1.0:
             output.mul_(self.post_scale)
         if output is not target:
@@ -233,7 +230,7 @@ class PartitionedGroup(ShardGroup):
         unused = [r.name for r in self.buckets.unused()]
         count = torch.tensor([float(len(unused))], device=self.placement.device)
         if self.comm.partitioned:
-            comm.all_reduce(count, op=comm.ReduceOp.MAX, group=self.comm.group)
+            self.comm.all_reduce(count, op=comm.ReduceOp.MAX)
         if count.item() > 0:
             where = f"{unused[:5]}" if unused else "on another rank"
             raise ValueError(
@@ -276,9 +273,7 @@ class PartitionedGroup(ShardGroup):
     def _gather_params(self) -> None:
         """Make every rank's parameters whole again from the updated chunks."""
         works = [
-            comm.all_gather_into_tensor(
-                flat, self._param_chunk(bucket), group=self.comm.group, async_op=True
-            )
+            self.comm.all_gather(flat, self._param_chunk(bucket), async_op=True)
             for bucket, flat in enumerate(self.flat_params.buffers)
         ]
         for work in works:

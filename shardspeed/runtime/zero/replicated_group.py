@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-from shardspeed import comm
 from shardspeed.runtime.precision.master_weights import MasterWeights
 from shardspeed.runtime.precision.overflow import unscale_
 from shardspeed.runtime.zero.buckets import GradBucket, GradientBuckets
@@ -75,7 +74,7 @@ class ReplicatedGroup(ShardGroup):
         if not self.comm.partitioned:  # alone in the group: only the average's scaling
             self._finish(bucket, staging)
             return
-        work = comm.all_reduce(staging, group=self.comm.group, async_op=True)
+        work = self.comm.all_reduce(staging, async_op=True)
         self.inflight.add(work, partial(self._finish, bucket, staging))
 
     def _finish(self, bucket: GradBucket, staging: torch.Tensor) -> None:

@@ -27,7 +27,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardspeed import comm
 from shardspeed.runtime.zero.comm_group import CommGroup
 from shardspeed.runtime.zero.param_sharding import ParamSharding, ShardingOptions
 from shardspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
@@ -100,23 +99,19 @@ class ParamPartitionStrategy(PartitionedStrategy):
         dtype = self.ctx.precision.param_dtype
         device = self.placement.device if move else None
         dp = self.ctx.data_parallel
-        src = comm.get_global_rank(dp.group, 0) if dp.group is not None else 0
         for module in self.module.modules():
             for key, buffer in module._buffers.items():
                 if buffer is None:
                     continue
                 cast = dtype if buffer.is_floating_point() else buffer.dtype
                 placed = buffer.to(device=device or buffer.device, dtype=cast)
-                if dp.partitioned:
-                    comm.broadcast(placed, src=src, group=dp.group)
+                dp.broadcast(placed)
                 module._buffers[key] = placed
         if self.param_offload.enabled:  # each unit goes out as soon as it is sharded
             host = torch.device("cpu") if self.param_offload.device == "cpu" else None
             store = self.swap_store() if self.param_offload.to_nvme else None
             self.sharding.offload_to(host, store)
-        self.sharding.shard(
-            dtype if dtype != torch.float32 else None, device, src if dp.partitioned else None
-        )
+        self.sharding.shard(dtype if dtype != torch.float32 else None, device, broadcast=True)
 
     def make_group(self, records: list[ParamRecord], comm_group: CommGroup) -> ShardGroup:
         return ShardedParamsGroup(

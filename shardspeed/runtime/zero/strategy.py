@@ -158,11 +158,8 @@ class ZeroStrategy:
             by_group.setdefault(self.comm_group_of(record), []).append(record.param)
         by_group.setdefault(self.ctx.data_parallel, []).extend(self.module.buffers())
         for group, tensors in by_group.items():
-            if not group.partitioned:
-                continue
-            src = comm.get_global_rank(group.group, 0) if group.group is not None else 0
             for tensor in tensors:
-                comm.broadcast(tensor.data, src=src, group=group.group)
+                group.broadcast(tensor.data)
 
     def comm_group_of(self, record: ParamRecord) -> CommGroup:
         """The process group ``record``'s parameter is replicated over and reduces over."""
