@@ -131,3 +131,18 @@ def test_groups_answer_from_the_topology_on_four_ranks(dist_pool) -> None:
         assert got["ep"] == [rank - rank % 2, rank - rank % 2 + 1]
         assert got["edp"] == [rank % 2, rank % 2 + 2]
         assert got["sizes"] == (2, 2) and got["same"] and got["max"] == 2
+
+
+def test_no_process_group_is_made_outside_comm() -> None:
+    """Every group comes from the topology's registry: no ``new_group`` call outside comm/."""
+    import pathlib
+    import re
+
+    package = pathlib.Path(__file__).resolve().parents[2] / "shardspeed"
+    calls = re.compile(r"\bnew_(?:sub)?groups?\(|new_subgroups")
+    offenders = [
+        str(path.relative_to(package))
+        for path in package.rglob("*.py")
+        if path.parent.name != "comm" and calls.search(path.read_text())
+    ]
+    assert offenders == []

@@ -24,24 +24,23 @@ Releasing frees the full buffer's memory in one of two ways:
 With one rank there is nothing to shard: the shard is the full buffer and it is never released,
 unless parameter offload swaps it (below).
 
-Under ``offload_param`` (:meth:`FlatShard.offload`) the shard lives elsewhere between uses: in
-host memory (``cpu``; a device copy is made for the all-gather) or in a file through a
-:class:`~.state_swap.SwapStore` (``nvme``: read back before the gather, and out of memory again
-as soon as the gather is done, written only if it changed).
+Under ``offload_param`` (:meth:`FlatShard.offload`) the shard lives elsewhere between uses, as
+the :class:`~.residency.Residency` it is given says: in host memory (``cpu``; a device copy is
+made for the all-gather) or in a file through a :class:`~.state_swap.SwapStore` (``nvme``: read
+back before the gather, and out of memory again as soon as the gather is done, written only if
+it changed). The collectives are the comm group's (:class:`~.comm_group.CommGroup`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from shardspeed.runtime.zero.comm_group import CommGroup
-
-if TYPE_CHECKING:
-    from shardspeed.runtime.zero.state_swap import SwapStore
+from shardspeed.runtime.zero.residency import ON_DEVICE, Residency
 
 
 class FlatShard:
@@ -73,52 +72,42 @@ class FlatShard:
         #: this rank's chunk, the only part kept between uses
         self.shard = self.full[self.chunk_slice].clone() if comm_group.partitioned else self.full
         self.gathered = True
-        #: where the shard is swapped to under NVMe parameter offload, and its key there
-        self.store: SwapStore | None = None
-        self.key = ""
+        #: where the shard lives between uses (``offload_param``)
+        self.residency: Residency = ON_DEVICE
 
     @torch.no_grad()
-    def offload(self, host: torch.device | None, store: SwapStore | None, key: str) -> None:
-        """Keep the shard in ``host`` memory (``offload_param.device: cpu``) or in ``store``
-        under ``key`` (``nvme``) between uses. With one rank the shard is the full buffer:
-        releasing it then swaps it out."""
-        if host is not None and self.comm.partitioned and self.shard.device != host:
-            self.shard = self.shard.to(host)
-        if store is None or self.store is not None:
+    def offload(self, residency: Residency) -> None:
+        """Keep the shard where ``residency`` says between uses (once; later calls keep the
+        first). With one rank the shard is the full buffer: it stays where the buffer is, and
+        a swapped one goes out when released."""
+        if self.residency is not ON_DEVICE:
             return
-        self.store, self.key = store, key
-        store.register(key, self.shard)
+        self.residency = residency
+        self.shard = residency.adopt(self.shard, movable=self.comm.partitioned)
         if not self.comm.partitioned and self.gathered:
-            store.pin(key, True)  # in use now: written out when released
-            store.touch([key])
+            residency.pin(True)  # in use now: written out when released
+            residency.changed()
         else:
-            store.evict(key, self.shard)
+            residency.evict(self.shard)
 
     @torch.no_grad()
     def set_shard(self, values: torch.Tensor) -> None:
         """Write this rank's shard (e.g. the optimizer's updated fp32 master, cast), wherever
         it lives."""
-        self._shard_in()
+        self.residency.fetch(self.shard)
         self.shard.copy_(values)
-        if self.store is not None:
-            self.store.touch([self.key])
-            if self.comm.partitioned or not self.gathered:
-                self.store.evict(self.key, self.shard)
-
-    def _shard_in(self) -> None:
-        if self.store is not None:
-            self.store.fetch(self.key, self.shard)
+        self.residency.changed()
+        if self.comm.partitioned or not self.gathered:
+            self.residency.evict(self.shard)
 
     def shard_out(self) -> None:
         """The gather is done: the shard leaves memory again (parameter offload)."""
-        if self.store is not None and self.comm.partitioned:
-            self.store.evict(self.key, self.shard)
+        if self.comm.partitioned:
+            self.residency.evict(self.shard)
 
     def _source(self) -> torch.Tensor:
         """The shard on the full buffer's device (a copy when it lives in host memory)."""
-        return (
-            self.shard if self.shard.device == self.full.device else self.shard.to(self.full.device)
-        )
+        return self.residency.source(self.shard, self.full.device)
 
     @property
     def chunk_slice(self) -> slice:
@@ -130,18 +119,17 @@ class FlatShard:
         collective's work handle (None if there is nothing to wait for)."""
         if self.gathered:
             return None
-        if self.store is not None and self.comm.partitioned:
+        if self.residency.swapped and self.comm.partitioned:
             # start reading the shard back (the swapper's threads) and gather when waited for:
             # a prefetched unit's read overlaps the running module's compute
-            reads = self.store.start_fetch(self.key, self.shard)
+            reads = self.residency.start_fetch(self.shard)
             self.full.untyped_storage().resize_(self._nbytes)
             self.gathered = True
             return _ReadThenGather(self, reads)
-        self._shard_in()
+        self.residency.fetch(self.shard)
         self.gathered = True
         if not self.comm.partitioned:  # the shard is the full buffer: swapped in, in use
-            if self.store is not None:
-                self.store.pin(self.key, True)
+            self.residency.pin(True)
             return None
         self.full.untyped_storage().resize_(self._nbytes)
         return self.comm.all_gather(self.full, self._source(), async_op=True)
@@ -151,9 +139,9 @@ class FlatShard:
         (waited for here when the shard is swapped)."""
         if not self.gathered or not self.comm.partitioned:
             return None
-        self._shard_in()
+        self.residency.fetch(self.shard)
         work = self.comm.all_gather(self.full, self._source(), async_op=True)
-        if self.store is None:
+        if not self.residency.swapped:
             return work
         work.wait()
         self.shard_out()
@@ -173,11 +161,11 @@ class FlatShard:
                 self._fresh_storage(keep_values=False)
             self.full.untyped_storage().resize_(0)
             self.gathered = False
-        elif self.store is not None:
+        elif self.residency.swapped:
             if not in_place:  # the shard is the full buffer: its values go to the store
                 self._fresh_storage(keep_values=True)
-            self.store.pin(self.key, False)
-            self.store.evict(self.key, self.shard)
+            self.residency.pin(False)
+            self.residency.evict(self.shard)
             self.gathered = False
 
     def _views(self) -> list[torch.Tensor]:
@@ -235,10 +223,10 @@ class FlatShard:
         there, e.g. by ``load_state_dict``."""
         assert self.gathered, "only a gathered buffer holds full values"
         if self.comm.partitioned:
-            self._shard_in()
+            self.residency.fetch(self.shard)
             self.shard.copy_(self.full[self.chunk_slice])
-        if self.store is not None:
-            self.store.touch([self.key])
+        if self.residency.swapped:
+            self.residency.changed()
             self.shard_out()
 
 

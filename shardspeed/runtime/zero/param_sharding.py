@@ -53,6 +53,7 @@ from shardspeed.runtime.zero.module_agreement import (
 from shardspeed.runtime.zero.module_hooks import ModuleHooks
 from shardspeed.runtime.zero.prefetcher import Prefetcher
 from shardspeed.runtime.zero.records import ParamRecord, ParamRegistry, record_of
+from shardspeed.runtime.zero.residency import residency_for
 from shardspeed.runtime.zero.state_swap import SwapStore
 from shardspeed.runtime.zero.zero_parameter import mark_partitioned, unmark_partitioned
 
@@ -157,7 +158,8 @@ class ParamSharding:
         if self._offload_host is None and self._offload_store is None:
             return
         for number, flat in enumerate(unit.flats):
-            flat.offload(self._offload_host, self._offload_store, f"unit{unit.index}_{number}")
+            key = f"unit{unit.index}_{number}"
+            flat.offload(residency_for(self._offload_host, self._offload_store, key))
 
     # -- setting up -------------------------------------------------------------------------
     @torch.no_grad()
