@@ -7,8 +7,10 @@ placement and stage 3's sharding read its fields, never the config. The defaults
 as the pydantic models state them: :meth:`ZeroOptions.defaults` resolves an empty section, so a
 strategy built without a config (tests, tools) sees exactly what an empty config gives.
 
-What a stage cannot do is not checked here: :mod:`~shardspeed.runtime.zero.rules` holds every
-refusal.
+What a stage cannot do is not checked here: :mod:`shardspeed.config.zero_rules` holds every
+refusal. ``stage3_gather_16bit_weights_on_model_save`` is not an option here either: as in
+DeepSpeed, ``save_16bit_model`` reads it from the config when it saves (the engine's
+``zero_gather_16bit_weights_on_model_save()``), so a config changed after ``initialize`` counts.
 """
 
 from __future__ import annotations
@@ -53,9 +55,6 @@ class ZeroOptions:
     ignore_unused_parameters: bool
     #: ``sub_group_size``: elements the optimizer steps at a time (0: all at once)
     sub_group_size: int
-    #: ``stage3_gather_16bit_weights_on_model_save``: ``save_16bit_model`` gathers stage 3's
-    #: weights (else it saves nothing and says why)
-    gather_16bit_weights_on_model_save: bool
     #: ``leaf_module``
     leaf_modules: LeafModules
     #: the ``stage3_*`` knobs that decide what stays gathered
@@ -81,7 +80,6 @@ def zero_options(zero: DeepSpeedZeroConfig, aio: AioConfig | None = None) -> Zer
         stage=int(zero.stage),
         ignore_unused_parameters=bool(zero.ignore_unused_parameters),
         sub_group_size=int(zero.sub_group_size),
-        gather_16bit_weights_on_model_save=bool(zero.gather_16bit_weights_on_model_save),
         leaf_modules=LeafModules.from_section(zero.leaf_module),
         sharding=ShardingOptions(
             param_persistence_threshold=int(zero.param_persistence_threshold),

@@ -152,8 +152,10 @@ class ParamPartitionStrategy(PartitionedStrategy):
                     copies[id(param)] = param.detach().to("cpu", copy=True)
         return _host_copies(state, copies)
 
-    def weights_for_save(self, exclude_frozen_parameters: bool = False) -> dict[str, Any] | None:
-        if not self.ctx.options.gather_16bit_weights_on_model_save:
+    def weights_for_save(
+        self, exclude_frozen_parameters: bool = False, gather_partitioned: bool = False
+    ) -> dict[str, Any] | None:
+        if not gather_partitioned:
             log_dist(
                 "save_16bit_model: not saved, because ZeRO stage 3 keeps the weights partitioned "
                 "and zero_optimization.stage3_gather_16bit_weights_on_model_save is false; set "

@@ -177,9 +177,14 @@ class ZeroStrategy:
             state = {k: v for k, v in state.items() if k not in frozen}
         return state
 
-    def weights_for_save(self, exclude_frozen_parameters: bool = False) -> dict[str, Any] | None:
+    def weights_for_save(
+        self, exclude_frozen_parameters: bool = False, gather_partitioned: bool = False
+    ) -> dict[str, Any] | None:
         """The module weights ``save_16bit_model`` writes (every rank calls it), or None when
-        this strategy is configured not to assemble them (it says why)."""
+        they are partitioned and ``gather_partitioned`` (the config's
+        ``stage3_gather_16bit_weights_on_model_save``, read at save time) is false (it says
+        why)."""
+        del gather_partitioned  # nothing is partitioned below stage 3
         return self.full_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
 
     def load_full_state_dict(

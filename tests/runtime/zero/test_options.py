@@ -37,7 +37,6 @@ def _every_key(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         "stage": 3,
         "ignore_unused_parameters": False,
         "sub_group_size": 1234,
-        "stage3_gather_16bit_weights_on_model_save": True,
         "leaf_module": {"classes": ["Block"], "names": ["layers.0"], "name_suffixes": ["mlp"]},
         "stage3_param_persistence_threshold": 11,
         "stage3_model_persistence_threshold": 12,
@@ -58,7 +57,6 @@ def test_defaults_are_deepspeeds() -> None:
     assert defaults.stage == 0
     assert defaults.ignore_unused_parameters is True
     assert defaults.sub_group_size == 1_000_000_000
-    assert defaults.gather_16bit_weights_on_model_save is False
     assert defaults.leaf_modules == LeafModules(tuple(DEFAULT_LEAF_MODULE_CLASSES), (), ())
     # the stage-3 knobs' own defaults agree with the config's
     assert defaults.sharding == ShardingOptions()
@@ -89,7 +87,6 @@ def test_every_field_is_read_from_the_config(tmp_path: Path) -> None:
         stage=3,
         ignore_unused_parameters=False,
         sub_group_size=1234,
-        gather_16bit_weights_on_model_save=True,
         leaf_modules=LeafModules(("Block",), ("layers.0",), ("mlp",)),
         sharding=ShardingOptions(11, 12, 13, 14, 15),
         offload_optimizer=OptimizerOffload(device="cpu", pin_memory=True, ratio=0.5),
@@ -125,7 +122,6 @@ def test_the_strategies_act_on_the_typed_options() -> None:
         stage=3,
         ignore_unused_parameters=False,
         sub_group_size=7,
-        gather_16bit_weights_on_model_save=True,
         leaf_modules=LeafModules((), ("0",), ()),
         sharding=ShardingOptions(param_persistence_threshold=3, max_reuse_distance=0),
     )
@@ -146,10 +142,7 @@ def test_the_strategies_act_on_the_typed_options() -> None:
     assert z3_leaf_module(model[0]) and not z3_leaf_module(model[1])
     assert strategy.offload is options.offload_optimizer
     assert strategy.param_offload is options.offload_param
-    assert strategy.weights_for_save() is not None  # stage3_gather_16bit_weights_on_model_save
+    # stage3_gather_16bit_weights_on_model_save is the engine's to read at save time
+    assert strategy.weights_for_save() is None
+    assert strategy.weights_for_save(gather_partitioned=True) is not None
     strategy.destroy()
-    model = nn.Linear(4, 1)
-    plain = STRATEGIES[3](model, dataclasses.replace(context, options=ZeroOptions.defaults()))
-    plain.place_module()
-    assert plain.weights_for_save() is None  # the default: not gathered, says why
-    plain.destroy()
