@@ -77,10 +77,11 @@ class GroupRegistry:
 
     def adopt(self, rank_lists: Sequence[Sequence[int]], mine: Any) -> None:
         """Record groups made elsewhere: ``rank_lists`` is every group of the partition (the
-        same on every rank) and ``mine`` this rank's process group among them."""
+        same on every rank) and ``mine`` this rank's process group among them. They replace
+        groups of the same ranks made before (whoever holds those keeps them)."""
         for key in self._check_partition(rank_lists):
             if len(key) < self.world_size:
-                self._groups.setdefault(key, mine if self.rank in key else _NOT_MEMBER)
+                self._groups[key] = mine if self.rank in key else _NOT_MEMBER
 
     def __len__(self) -> int:
         return len(self._groups)

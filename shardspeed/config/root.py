@@ -43,7 +43,8 @@ from shardspeed.config.progressive_layer_drop import ProgressiveLayerDropConfig
 from shardspeed.config.sparse_attention import SparseAttentionConfig
 from shardspeed.config.tensor_parallel import TPTrainingConfig
 from shardspeed.config.timers import TimersConfig
-from shardspeed.config.zero import DeepSpeedZeroConfig, ZeroStageEnum
+from shardspeed.config.zero import DeepSpeedZeroConfig
+from shardspeed.config.zero_rules import check_config_rules
 from shardspeed.utils.logging import logger
 
 __all__ = ["RootConfig"]
@@ -244,58 +245,10 @@ class RootConfig(DeepSpeedConfigModel):
 
     @model_validator(mode="after")
     def _cross_section_checks(self) -> RootConfig:
-        zero = self.zero_optimization
-        stage = zero.stage
-        self._check_allreduce_op()
         if self.fp16.enabled and self.bf16.enabled:
             raise DeepSpeedConfigError(
                 "fp16.enabled and bf16.enabled are both true; bfloat16 and fp16 modes cannot be "
                 "enabled together. Disable one of them."
             )
-        if zero.offload_param is not None and zero.offload_param.enabled and stage < 3:
-            raise DeepSpeedConfigError(
-                f"zero_optimization.offload_param (device '{zero.offload_param.device}') needs "
-                f"ZeRO stage 3, but stage is {int(stage)}; set stage to 3 or remove offload_param."
-            )
-        opt = zero.offload_optimizer
-        if opt is not None and opt.enabled and stage == ZeroStageEnum.disabled:
-            raise DeepSpeedConfigError(
-                f"zero_optimization.offload_optimizer (device '{opt.device}') needs ZeRO stage "
-                "1, 2 or 3, but stage is 0; set a stage or remove offload_optimizer."
-            )
-        for section, flag, enabled in (
-            ("fp16", "fp16_master_weights_and_grads", self.fp16.fp16_master_weights_and_grads),
-            ("bf16", "bf16_master_weights_and_grads", self.bf16.bf16_master_weights_and_grads),
-            ("bf16", "bf16_optimizer_states", self.bf16.bf16_optimizer_states),
-        ):
-            if enabled and stage == ZeroStageEnum.disabled:
-                raise DeepSpeedConfigError(
-                    f"{section}.{flag} is only supported with ZeRO stage 1, 2 or 3 "
-                    "(zero_optimization.stage is 0)."
-                )
+        check_config_rules(self)
         return self
-
-    def _check_allreduce_op(self) -> None:
-        """``gradient_allreduce_op: "sum"`` where DeepSpeed refuses it (ZeRO-3, ZenFlow,
-        DeepCompile: their reductions always average)."""
-        if self.gradient_allreduce_op != "sum":
-            return
-        refused = [
-            (
-                "ZeRO stage 3",
-                "set zero_optimization.stage to 0, 1 or 2",
-                self.zero_optimization.stage == ZeroStageEnum.weights,
-            ),
-            (
-                "ZenFlow",
-                "remove zero_optimization.zenflow",
-                self.zero_optimization.zenflow is not None,
-            ),
-            ("DeepCompile", "set compile.deepcompile to false", self.compile.deepcompile),
-        ]
-        for feature, fix, active in refused:
-            if active:
-                raise DeepSpeedConfigError(
-                    f"gradient_allreduce_op='sum' is not supported with {feature}; use "
-                    f"gradient_allreduce_op 'mean', or {fix}"
-                )

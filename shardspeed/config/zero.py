@@ -6,7 +6,7 @@ import sys
 from enum import IntEnum
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from shardspeed.config.base import DeepSpeedConfigModel
 from shardspeed.config.deprecation import DeprecatedKey
@@ -274,16 +274,6 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
         if value is not None:
             return value
         return info.data.get("stage") == ZeroStageEnum.weights
-
-    @model_validator(mode="after")
-    def _partial_offload_needs_stage3(self) -> DeepSpeedZeroConfig:
-        opt = self.offload_optimizer
-        if opt is not None and opt.ratio < 1.0 and self.stage != ZeroStageEnum.weights:
-            raise ValueError(
-                f"offload_optimizer.ratio={opt.ratio} (partial offload) needs ZeRO stage 3, "
-                f"but stage is {int(self.stage)}; set stage to 3 or ratio to 1.0."
-            )
-        return self
 
     @property
     def enabled(self) -> bool:

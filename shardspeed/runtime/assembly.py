@@ -34,8 +34,10 @@ from shardspeed.runtime.zero.grad_norm import GradNormReducer
 from shardspeed.runtime.zero.mics import mics_comm
 from shardspeed.runtime.zero.model_parallel_norm import model_parallel_reducer
 from shardspeed.runtime.zero.optimizer import ZeroOptimizer
+from shardspeed.runtime.zero.options import zero_options
 from shardspeed.runtime.zero.reduce_options import GradReduceOptions
 from shardspeed.runtime.zero.registry import build_strategy
+from shardspeed.runtime.zero.rules import check_zero_config
 from shardspeed.runtime.zero.strategy import StrategyContext, ZeroStrategy
 
 
@@ -73,7 +75,7 @@ def strategy_context(
             model, dp, int(zero.stage), bool(config.use_data_before_expert_parallelism)
         )
     shard_over = None
-    if int(getattr(zero, "mics_shard_size", -1)) > 0 and int(zero.stage) == 3:
+    if zero.mics_shard_size > 0 and zero.stage == 3:
         if comm_for is not None:
             raise NotImplementedError(
                 "zero_optimization.mics_shard_size (MiCS) with Mixture-of-Experts layers is not "
@@ -92,8 +94,7 @@ def strategy_context(
         ),
         data_parallel=dp,
         device=device,
-        zero_config=zero,
-        aio=config.aio,
+        options=zero_options(zero, config.aio),
         allow_untested_optimizer=bool(config.zero_allow_untested_optimizer),
         grad_accum_dtype=config.data_types.grad_accum_dtype,
         comm_for=comm_for,
@@ -153,6 +154,7 @@ def assemble(
 ) -> EngineParts:
     """Every part of an engine for ``model`` under ``config``."""
     checkpointer.check_config(config)
+    check_zero_config(config)
     topology = build_topology(mpu)
     dp = CommGroup.of(topology.group("dp"))
     if config.expert_parallel.enabled:  # AutoEP: swap HF MoE blocks before ZeRO sees the model
@@ -178,7 +180,9 @@ def assemble(
     strategy = build_strategy(model, strategy_context(config, precision, topology, device, model))
     strategy.place_module(move=not dont_change_device)
     params = model_parameters if model_parameters is not None else model.parameters()
-    basic_optimizer = build_basic_optimizer(optimizer, params, config)
+    basic_optimizer = build_basic_optimizer(
+        optimizer, params, config, cpu_offload=strategy.offload.enabled
+    )
     wrapped = None
     if basic_optimizer is not None:
         strategy.bind_optimizer(basic_optimizer)

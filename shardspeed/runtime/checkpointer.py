@@ -331,7 +331,9 @@ def save_module_weights(
     engine: DeepSpeedEngine, save_dir: str, save_filename: str, exclude_frozen_parameters: bool
 ) -> bool:
     # every rank: gathering a partitioned module (stage 3) is a collective
-    weights = engine.strategy.weights_for_save(exclude_frozen_parameters)
+    weights = engine.strategy.weights_for_save(
+        exclude_frozen_parameters, engine.zero_gather_16bit_weights_on_model_save()
+    )
     if weights is None:
         return False
     if moe_checkpoint.has_experts(engine.module):  # every expert, from the peers holding it

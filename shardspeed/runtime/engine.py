@@ -7,11 +7,18 @@ across ranks, always present), a :class:`~shardspeed.runtime.zero.optimizer.Zero
 (loss scaling, overflow, clipping; absent without an optimizer), an LR scheduler, a data loader,
 the step counters (:class:`~shardspeed.runtime.train_state.TrainState`) and the observability
 hooks. It never branches on the ZeRO stage.
+
+Beside the verbs here, the engine is made of: its getters and batch-size setters
+(:class:`~shardspeed.runtime.engine_queries.EngineQueries`), the verbs on the model's state that
+only call the strategy (:class:`~shardspeed.runtime.engine_state.EngineStateVerbs`), the
+accumulation window that ``no_sync()`` and ``coalesce_grad_reduction()`` hold back
+(:class:`~shardspeed.runtime.engine_accumulation.AccumulationWindow`), and attribute fall-through
+to the wrapped model (:class:`~shardspeed.runtime.engine_attributes.ModuleAttributes`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import ModuleType
 from typing import Any, ClassVar
@@ -20,15 +27,16 @@ import torch
 from torch import nn
 
 from shardspeed.accelerator import get_accelerator
-from shardspeed.config import DeepSpeedConfig
 from shardspeed.runtime import checkpointer
 from shardspeed.runtime.checkpoint_writer import PendingSave
 from shardspeed.runtime.dataloader import DeepSpeedDataLoader, build_dataloader
+from shardspeed.runtime.engine_accumulation import AccumulationWindow
 from shardspeed.runtime.engine_attributes import ModuleAttributes
-from shardspeed.runtime.engine_checks import check_no_sync_entry, check_step_allowed, checkpoint_dir
-from shardspeed.runtime.engine_parts import EngineParts
+from shardspeed.runtime.engine_checks import checkpoint_dir
+from shardspeed.runtime.engine_parts import EngineParts, NoOptimizer
+from shardspeed.runtime.engine_queries import EngineQueries
+from shardspeed.runtime.engine_state import EngineStateVerbs
 from shardspeed.runtime.precision.autocast import autocast_if_enabled
-from shardspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
 from shardspeed.runtime.zero.optimizer import ZeroOptimizer
 from shardspeed.utils.logging import log_dist
 from shardspeed.utils.timer import (
@@ -54,34 +62,7 @@ def _counter(name: str) -> property:
     return property(get, set_, doc=f"The step counter ``{name}``.")
 
 
-class _NoOptimizer:
-    """Stands in for the optimizer wrapper of an engine built without an optimizer: queries
-    answer "nothing", the verbs that need an optimizer say so."""
-
-    param_groups: list[dict[str, Any]] = []
-    loss_scale = 1.0
-    global_grad_norm: float | None = None
-
-    @staticmethod
-    def require(verb: str) -> None:
-        raise RuntimeError(
-            f"engine.{verb} needs an optimizer: pass optimizer= to initialize() or add an "
-            "'optimizer' section to the config"
-        )
-
-    @staticmethod
-    def scale_loss(loss: torch.Tensor) -> torch.Tensor:
-        return loss
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        del set_to_none
-
-    def step(self) -> bool:
-        self.require("step()")
-        return False
-
-
-class DeepSpeedEngine(ModuleAttributes, nn.Module):
+class DeepSpeedEngine(EngineQueries, EngineStateVerbs, ModuleAttributes, nn.Module):
     """Wraps a model for distributed training; returned by :func:`shardspeed.initialize`.
     Attributes it lacks are the wrapped model's (``engine.moe_1`` is ``engine.module.moe_1``)."""
 
@@ -117,18 +98,17 @@ class DeepSpeedEngine(ModuleAttributes, nn.Module):
         self.basic_optimizer = parts.basic_optimizer
         self.optimizer: ZeroOptimizer | None = parts.optimizer
         # the one place the engine asks whether it has an optimizer
-        self._optim: ZeroOptimizer | _NoOptimizer = (
-            parts.optimizer if parts.optimizer is not None else _NoOptimizer()
+        self._optim: ZeroOptimizer | NoOptimizer = (
+            parts.optimizer if parts.optimizer is not None else NoOptimizer()
         )
         self.lr_scheduler = parts.lr_scheduler
         self.training_dataloader = parts.training_dataloader
         self.state = parts.state
         self.observability = parts.observability
         self.observability.attach_engine(self)
-        self._no_sync = False
+        #: the accumulation window: boundary, no_sync() and coalesce_grad_reduction() blocks
+        self.accumulation = AccumulationWindow(parts.state)
         self._is_compiled = False
-        self._coalescing = False
-        self._boundary_override: bool | None = None
         #: a checkpoint being written in the background (``checkpoint.writer.decoupled``)
         self.pending_checkpoint: PendingSave | None = None
 
@@ -192,10 +172,7 @@ class DeepSpeedEngine(ModuleAttributes, nn.Module):
             gas = self.gradient_accumulation_steps()
             if scale_wrt_gas and gas > 1:
                 loss = loss / gas
-            self.strategy.begin_backward(
-                reduce=self.is_gradient_accumulation_boundary()
-                and not (self._no_sync or self._coalescing)
-            )
+            self.strategy.begin_backward(reduce=self.accumulation.reduces(gas))
             with self.observability.phase(BACKWARD_INNER_GLOBAL_TIMER):
                 self._optim.scale_loss(loss).backward(retain_graph=retain_graph)
             with self.observability.phase(BACKWARD_REDUCE_GLOBAL_TIMER):
@@ -204,7 +181,7 @@ class DeepSpeedEngine(ModuleAttributes, nn.Module):
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """Update the weights if this micro-step ends a gradient-accumulation window."""
-        check_step_allowed(self._no_sync, self._coalescing)
+        self.accumulation.check_step()
         self.state.step_applied = False
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
@@ -235,12 +212,8 @@ class DeepSpeedEngine(ModuleAttributes, nn.Module):
         """Accumulate gradients locally inside this block, with no reduction even at a boundary
         (``step()`` comes after the block)."""
         stage = self.zero_optimization_stage()
-        check_no_sync_entry(self.strategy.supports_no_sync, self._no_sync, stage)
-        self._no_sync = True
-        try:
+        with self.accumulation.suppressed(self.strategy.supports_no_sync, stage):
             yield
-        finally:
-            self._no_sync = False
 
     @contextmanager
     def coalesce_grad_reduction(self) -> Iterator[None]:
@@ -248,15 +221,8 @@ class DeepSpeedEngine(ModuleAttributes, nn.Module):
         accumulation boundary, one reduction covers all of them (same result as reducing per
         backward, one collective pass instead of N). ``step()`` must come after the block."""
         self._optim.require("coalesce_grad_reduction()")
-        if self._no_sync:
-            raise RuntimeError("coalesce_grad_reduction() cannot be used inside no_sync()")
-        if self._coalescing:
-            raise RuntimeError("coalesce_grad_reduction() blocks cannot be nested")
-        self._coalescing = True
-        try:
+        with self.accumulation.coalesced():
             yield
-        finally:
-            self._coalescing = False
         if self.is_gradient_accumulation_boundary():
             self.strategy.reduce_now()
 
@@ -265,92 +231,15 @@ class DeepSpeedEngine(ModuleAttributes, nn.Module):
 
     # -- accumulation boundary ------------------------------------------------------------------
     def is_gradient_accumulation_boundary(self) -> bool:
-        if self._boundary_override is not None:
-            return self._boundary_override
-        return self.state.is_boundary(self.gradient_accumulation_steps())
+        return self.accumulation.is_boundary(self.gradient_accumulation_steps())
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """Override the boundary computed from the micro-step counter (None-like reset: use
         :meth:`reset_gradient_accumulation_boundary`)."""
-        self._boundary_override = bool(is_boundary)
+        self.accumulation.boundary_override = bool(is_boundary)
 
     def reset_gradient_accumulation_boundary(self) -> None:
-        self._boundary_override = None
-
-    # -- batch sizes ----------------------------------------------------------------------------
-    def train_batch_size(self) -> int:
-        return self._config.train_batch_size
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self._config.train_micro_batch_size_per_gpu
-
-    def gradient_accumulation_steps(self) -> int:
-        return self._config.gradient_accumulation_steps
-
-    def get_batch_info(self) -> tuple[int, int, int]:
-        return (
-            self.train_batch_size(),
-            self.train_micro_batch_size_per_gpu(),
-            self.gradient_accumulation_steps(),
-        )
-
-    def set_train_batch_size(self, train_batch_size: int) -> None:
-        """Change the global batch by changing the accumulation steps (micro-batch is kept)."""
-        per_step = self.train_micro_batch_size_per_gpu() * self.dp_world_size
-        if train_batch_size % per_step != 0:
-            raise ValueError(
-                f"train_batch_size={train_batch_size} must be a multiple of "
-                f"train_micro_batch_size_per_gpu * data-parallel size = {per_step}"
-            )
-        self._config.set_batch_sizes(train_batch_size, None, train_batch_size // per_step)
-
-    def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
-        """Change the micro-batch; the global batch follows (accumulation steps are kept)."""
-        gas = self.gradient_accumulation_steps()
-        self._config.set_batch_sizes(
-            micro_batch_size * gas * self.dp_world_size, micro_batch_size, gas
-        )
-
-    # -- queries --------------------------------------------------------------------------------
-    def get_lr(self) -> list[float]:
-        return [g["lr"] for g in self._optim.param_groups]
-
-    def get_mom(self) -> list[Any]:
-        return [g.get("betas", g.get("momentum")) for g in self._optim.param_groups]
-
-    def get_global_grad_norm(self) -> float | None:
-        return self._optim.global_grad_norm
-
-    def was_step_applied(self) -> bool:
-        return self.state.step_applied
-
-    def zero_optimization_stage(self) -> int:
-        return int(self._config.zero_optimization.stage)
-
-    @property
-    def gradient_average(self) -> bool:
-        """Whether data-parallel gradients are averaged (``gradient_allreduce_op: "mean"``)."""
-        return self._config.gradient_allreduce_op == "mean"
-
-    def zero_optimization(self) -> bool:
-        return self.zero_optimization_stage() > 0
-
-    def zero_optimization_partition_gradients(self) -> bool:
-        return self.zero_optimization_stage() >= 2
-
-    def fp16_enabled(self) -> bool:
-        return bool(self._config.fp16.enabled)
-
-    def bfloat16_enabled(self) -> bool:
-        return bool(self._config.bf16.enabled)
-
-    @property
-    def config(self) -> DeepSpeedConfig:
-        return self._config
-
-    @property
-    def loss_scale(self) -> float:
-        return self._optim.loss_scale
+        self.accumulation.boundary_override = None
 
     # -- data -----------------------------------------------------------------------------------
     def deepspeed_io(
@@ -377,31 +266,7 @@ class DeepSpeedEngine(ModuleAttributes, nn.Module):
             num_local_io_workers=num_local_io_workers,
         )
 
-    # -- state ----------------------------------------------------------------------------------
-    def module_state_dict(
-        self,
-        destination: Any = None,
-        prefix: str = "",
-        keep_vars: bool = False,
-        exclude_frozen_parameters: bool = False,
-    ) -> dict[str, Any]:
-        state = self.strategy.full_state_dict(prefix, keep_vars, exclude_frozen_parameters)
-        if destination is not None:
-            destination.update(state)
-            return destination  # type: ignore[no-any-return]
-        return state
-
-    def load_module_state_dict(
-        self,
-        checkpoint: dict[str, Any],
-        strict: bool = True,
-        custom_load_fn: Any = None,
-        fetch_z3_params: bool = False,
-    ) -> None:
-        del fetch_z3_params
-        module_state = checkpoint.get("module", checkpoint)
-        self.strategy.load_full_state_dict(module_state, strict, custom_load_fn)
-
+    # -- checkpoint files (the strategy's state verbs: engine_state.py) ------------------------
     def save_checkpoint(
         self,
         save_dir: str,
@@ -455,39 +320,6 @@ class DeepSpeedEngine(ModuleAttributes, nn.Module):
         return checkpointer.save_module_weights(
             self, save_dir, save_filename, exclude_frozen_parameters
         )
-
-    def zero_gather_16bit_weights_on_model_save(self) -> bool:
-        """``zero_optimization.stage3_gather_16bit_weights_on_model_save``: whether a ZeRO-3
-        model's whole weights may be assembled for saving (Accelerate asks before it does)."""
-        return bool(self._config.zero_optimization.gather_16bit_weights_on_model_save)
-
-    def _zero3_consolidated_16bit_state_dict(
-        self, exclude_frozen_parameters: bool = False
-    ) -> dict[str, Any]:
-        """The whole module's weights in their training dtype, gathered (every rank calls it;
-        DeepSpeed's name, which Accelerate and the HF Trainer call to save a ZeRO-3 model)."""
-        return self.strategy.full_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
-
-    def empty_partition_cache(self) -> None:
-        """Free the ZeRO-3 parameters kept gathered between uses (the persistent small ones);
-        they are gathered again when next used. Nothing to free at stages 0-2."""
-        self.strategy.empty_partition_cache()
-
-    def offload_states(
-        self,
-        include: Container[OffloadStateTypeEnum] | None = None,
-        device: OffloadDeviceEnum = OffloadDeviceEnum.cpu,
-        pin_memory: bool = True,
-        non_blocking: bool = False,
-    ) -> None:
-        """Move training state (``include``: kinds of
-        ``runtime.zero.offload_config.OffloadStateTypeEnum``, None: all) to host memory until
-        :meth:`reload_states`; only ``device="cpu"`` is supported, as in DeepSpeed."""
-        self.strategy.state_offloader.offload(include, device, pin_memory, non_blocking)
-
-    def reload_states(self, non_blocking: bool = False) -> None:
-        """Move what :meth:`offload_states` moved back where it was."""
-        self.strategy.state_offloader.reload(non_blocking)
 
     def wait_for_checkpoint(self) -> None:
         """Wait until the checkpoint being written in the background (``checkpoint.writer

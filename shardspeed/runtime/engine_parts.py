@@ -1,5 +1,6 @@
 """What an engine is made of, built by :func:`shardspeed.runtime.assembly.assemble` and handed
-to :class:`~shardspeed.runtime.engine.DeepSpeedEngine`, which only composes them."""
+to :class:`~shardspeed.runtime.engine.DeepSpeedEngine`, which only composes them; and the
+stand-in for the optimizer of an engine built without one."""
 
 from __future__ import annotations
 
@@ -17,6 +18,33 @@ from shardspeed.runtime.train_state import TrainState
 from shardspeed.runtime.zero.comm_group import CommGroup
 from shardspeed.runtime.zero.optimizer import ZeroOptimizer
 from shardspeed.runtime.zero.strategy import ZeroStrategy
+
+
+class NoOptimizer:
+    """Stands in for the optimizer wrapper of an engine built without an optimizer: queries
+    answer "nothing", the verbs that need an optimizer say so."""
+
+    param_groups: list[dict[str, Any]] = []
+    loss_scale = 1.0
+    global_grad_norm: float | None = None
+
+    @staticmethod
+    def require(verb: str) -> None:
+        raise RuntimeError(
+            f"engine.{verb} needs an optimizer: pass optimizer= to initialize() or add an "
+            "'optimizer' section to the config"
+        )
+
+    @staticmethod
+    def scale_loss(loss: torch.Tensor) -> torch.Tensor:
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        del set_to_none
+
+    def step(self) -> bool:
+        self.require("step()")
+        return False
 
 
 @dataclass

@@ -13,7 +13,6 @@ from shardspeed.ops.adam import DeepSpeedCPUAdam
 from shardspeed.ops.factory import build_optimizer
 from shardspeed.ops.lion import DeepSpeedCPULion
 from shardspeed.runtime.lr_schedules import scheduler_from_config
-from shardspeed.runtime.zero.offload import OptimizerOffload
 from shardspeed.runtime.zero.utils import ZeRORuntimeException
 from shardspeed.utils.logging import log_dist
 
@@ -22,12 +21,16 @@ _CPU_KINDS = (DeepSpeedCPUAdam, DeepSpeedCPUAdagrad, DeepSpeedCPULion)
 
 
 def build_basic_optimizer(
-    client_optimizer: Any, model_parameters: Iterable[Any], config: Any
+    client_optimizer: Any,
+    model_parameters: Iterable[Any],
+    config: Any,
+    *,
+    cpu_offload: bool = False,
 ) -> torch.optim.Optimizer | None:
     """The torch optimizer the ZeRO strategy will drive (None for an inference-only engine).
-    Under ZeRO-Offload the config's Adam, Adagrad and Lion are the CPU versions, and a client
-    optimizer must be one of those unless ``zero_force_ds_cpu_optimizer`` is false."""
-    offload = OptimizerOffload.from_config(config.zero_optimization).enabled
+    Under ZeRO-Offload (``cpu_offload``: the strategy offloads its optimizer) the config's Adam,
+    Adagrad and Lion are the CPU versions, and a client optimizer must be one of those unless
+    ``zero_force_ds_cpu_optimizer`` is false."""
     if client_optimizer is not None:
         if config.optimizer is not None:
             log_dist(
@@ -42,7 +45,7 @@ def build_basic_optimizer(
                 "initialize(optimizer=...) must be a torch.optim.Optimizer or a callable that "
                 f"takes the model parameters and returns one; got {type(client_optimizer).__name__}"
             )
-        if offload and config.zero_force_ds_cpu_optimizer and not isinstance(built, _CPU_KINDS):
+        if cpu_offload and config.zero_force_ds_cpu_optimizer and not isinstance(built, _CPU_KINDS):
             raise ZeRORuntimeException(
                 f"ZeRO-Offload steps the optimizer in host memory, and the client optimizer "
                 f"{type(built).__name__} is not one written for that (it would be slow): pass "
@@ -57,7 +60,7 @@ def build_basic_optimizer(
         config.optimizer.type,
         model_parameters,
         dict(config.optimizer.params),
-        cpu_offload=offload,
+        cpu_offload=cpu_offload,
     )
 
 

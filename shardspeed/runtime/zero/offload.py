@@ -10,6 +10,9 @@ that fraction of the masters (by elements, in bucket order); the rest step on th
 On a machine whose accelerator is the CPU, host and device are one memory: ``cpu`` then moves
 nothing (and copies nothing: a master that is the parameter chunk itself stays so), and
 ``nvme`` is what takes the optimizer state out of the training process's memory.
+
+Which stages may offload what is a rule of :mod:`~shardspeed.runtime.zero.rules`; here only the
+folders are checked (:func:`check_offload_folders`).
 """
 
 from __future__ import annotations
@@ -17,10 +20,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from shardspeed.config.offload import (
+    DeepSpeedZeroOffloadOptimizerConfig,
+    DeepSpeedZeroOffloadParamConfig,
+)
+from shardspeed.config.zero import DeepSpeedZeroConfig
 from shardspeed.runtime.zero.placement import Placement
 
 NONE, CPU, NVME = "none", "cpu", "nvme"
@@ -33,14 +40,6 @@ class _OffloadSection:
     device: str = NONE
     nvme_path: Path | None = None
     pin_memory: bool = False
-
-    @staticmethod
-    def _fields(section: Any) -> dict[str, Any]:
-        return {
-            "device": str(getattr(section.device, "value", section.device)),
-            "nvme_path": section.nvme_path,
-            "pin_memory": bool(section.pin_memory),
-        }
 
     @property
     def enabled(self) -> bool:
@@ -58,11 +57,15 @@ class OptimizerOffload(_OffloadSection):
     ratio: float = 1.0
 
     @classmethod
-    def from_config(cls, zero: Any) -> OptimizerOffload:
-        section = getattr(zero, "offload_optimizer", None)
+    def from_section(cls, section: DeepSpeedZeroOffloadOptimizerConfig | None) -> OptimizerOffload:
         if section is None:
             return cls()
-        return cls(**cls._fields(section), ratio=float(section.ratio))
+        return cls(
+            device=section.device.value,
+            nvme_path=section.nvme_path,
+            pin_memory=bool(section.pin_memory),
+            ratio=float(section.ratio),
+        )
 
     def placement(self, device: torch.device) -> Placement:
         """Where a shard group's tensors live under this offload."""
@@ -75,24 +78,6 @@ class OptimizerOffload(_OffloadSection):
             offload=True,
         )
 
-    def check(self, stage: int) -> None:
-        """Refuse what cannot work, naming the fix (before anything is built)."""
-        if not self.enabled:
-            return
-        if stage == 0:
-            raise ValueError(
-                f'zero_optimization.offload_optimizer.device="{self.device}" needs ZeRO stage 1, '
-                "2 or 3 (the offloaded optimizer steps a partition); set zero_optimization.stage "
-                'or set offload_optimizer.device to "none"'
-            )
-        if self.ratio < 1.0 and stage != 3:
-            raise ValueError(
-                f"zero_optimization.offload_optimizer.ratio={self.ratio} (partial offload) needs "
-                f"ZeRO stage 3, as in DeepSpeed (this is stage {stage}); set the ratio to 1.0"
-            )
-        if self.to_nvme:
-            check_nvme_path(self.nvme_path, "zero_optimization.offload_optimizer.nvme_path")
-
 
 @dataclass(frozen=True)
 class ParamOffload(_OffloadSection):
@@ -101,21 +86,26 @@ class ParamOffload(_OffloadSection):
     shard is read straight into its own memory, which exists only while it is needed."""
 
     @classmethod
-    def from_config(cls, zero: Any) -> ParamOffload:
-        section = getattr(zero, "offload_param", None)
-        return cls() if section is None else cls(**cls._fields(section))
+    def from_section(cls, section: DeepSpeedZeroOffloadParamConfig | None) -> ParamOffload:
+        if section is None:
+            return cls()
+        return cls(
+            device=section.device.value,
+            nvme_path=section.nvme_path,
+            pin_memory=bool(section.pin_memory),
+        )
 
-    def check(self, stage: int) -> None:
-        if not self.enabled:
-            return
-        if stage != 3:
-            raise ValueError(
-                f'zero_optimization.offload_param.device="{self.device}" needs ZeRO stage 3 (only '
-                f"stage 3 partitions the parameters; this is stage {stage}); set "
-                'zero_optimization.stage to 3 or offload_param.device to "none"'
-            )
-        if self.to_nvme:
-            check_nvme_path(self.nvme_path, "zero_optimization.offload_param.nvme_path")
+
+def check_offload_folders(zero: DeepSpeedZeroConfig) -> None:
+    """Refuse an NVMe offload whose ``nvme_path`` is missing, not a folder or not writable
+    (at initialize, on the rank that will write there)."""
+    sections = (
+        ("offload_param", zero.offload_param),
+        ("offload_optimizer", zero.offload_optimizer),
+    )
+    for key, section in sections:
+        if section is not None and section.device.value == NVME:
+            check_nvme_path(section.nvme_path, f"zero_optimization.{key}.nvme_path")
 
 
 def check_nvme_path(path: Path | None, key: str) -> Path:

@@ -75,18 +75,6 @@ class ShardingOptions:
     #: other units' fetches (in the recorded forward order) stays gathered in between (0: never)
     max_reuse_distance: int = 1_000_000_000
 
-    @classmethod
-    def from_config(cls, zero: Any) -> ShardingOptions:
-        if zero is None:
-            return cls()
-        return cls(
-            param_persistence_threshold=int(zero.param_persistence_threshold),
-            model_persistence_threshold=int(zero.model_persistence_threshold),
-            max_live_parameters=int(zero.max_live_parameters),
-            prefetch_bucket_size=int(zero.prefetch_bucket_size),
-            max_reuse_distance=int(zero.max_reuse_distance),
-        )
-
 
 def _distinct(units: Iterable[GatherUnit | None]) -> list[GatherUnit]:
     seen: list[GatherUnit] = []

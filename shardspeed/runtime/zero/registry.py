@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from torch import nn
 
-from shardspeed.runtime.zero.offload import OptimizerOffload, ParamOffload
 from shardspeed.runtime.zero.partitioned import (
     GradientPartitionStrategy,
     OptimizerStateStrategy,
@@ -25,13 +22,6 @@ STRATEGIES: dict[int, type[ZeroStrategy]] = {
     )
 }
 
-# zero_optimization keys whose feature is not built yet: a clear error beats silently ignoring
-_NOT_YET_SUPPORTED = (
-    "zero_quantized_weights",
-    "zero_quantized_gradients",
-    "zero_quantized_nontrainable_weights",
-)
-
 
 def strategy_class(stage: int) -> type[ZeroStrategy]:
     """The strategy for ``zero_optimization.stage``; a clear error for stages not built yet."""
@@ -45,30 +35,8 @@ def strategy_class(stage: int) -> type[ZeroStrategy]:
         ) from None
 
 
-def check_zero_config(zero: Any) -> None:
-    """Refuse ``zero_optimization`` settings whose feature shardspeed does not have yet."""
-    for key in _NOT_YET_SUPPORTED:
-        if getattr(zero, key, False):
-            raise NotImplementedError(
-                f"zero_optimization.{key}=true (ZeRO++ quantization) is not yet supported in "
-                f"shardspeed; remove the key or set it to false"
-            )
-    if int(getattr(zero, "zero_hpz_partition_size", 1)) > 1:
-        raise NotImplementedError(
-            "zero_optimization.zero_hpz_partition_size > 1 (ZeRO++ hierarchical partitioning) "
-            "is not yet supported in shardspeed; remove the key or set it to 1"
-        )
-    if int(getattr(zero, "mics_shard_size", -1)) > 0 and int(zero.stage) != 3:
-        raise ValueError(
-            f"zero_optimization.mics_shard_size (MiCS) shards parameters, which needs ZeRO stage "
-            f"3 (got stage {int(zero.stage)}); set stage 3 or remove mics_shard_size"
-        )
-    ParamOffload.from_config(zero).check(int(zero.stage))
-    OptimizerOffload.from_config(zero).check(int(zero.stage))
-
-
 def build_strategy(module: nn.Module, ctx: StrategyContext) -> ZeroStrategy:
-    """Validate ``ctx.zero_config`` and build the strategy for its stage (with no optimizer:
-    :meth:`~ZeroStrategy.bind_optimizer` adds one)."""
-    check_zero_config(ctx.zero_config)
-    return strategy_class(ctx.zero_config.stage)(module, ctx)
+    """The strategy for ``ctx.options.stage`` (with no optimizer:
+    :meth:`~ZeroStrategy.bind_optimizer` adds one). What the stage cannot do was refused
+    before, by :func:`~shardspeed.runtime.zero.rules.check_zero_config`."""
+    return strategy_class(ctx.options.stage)(module, ctx)

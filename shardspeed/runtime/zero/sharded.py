@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from shardspeed.runtime.zero.comm_group import CommGroup
-from shardspeed.runtime.zero.param_sharding import ParamSharding, ShardingOptions
+from shardspeed.runtime.zero.param_sharding import ParamSharding
 from shardspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from shardspeed.runtime.zero.partitioned import PartitionedStrategy
 from shardspeed.runtime.zero.partitioned_group import ChunkBuffers
@@ -78,12 +78,12 @@ class ParamPartitionStrategy(PartitionedStrategy):
 
     def __init__(self, module: nn.Module, ctx: StrategyContext) -> None:
         super().__init__(module, ctx)
-        mark_configured_leaves(module, getattr(ctx.zero_config, "leaf_module", None))
+        mark_configured_leaves(module, ctx.options.leaf_modules)
         self.sharding = ParamSharding(
             module,
             self.registry,
             ctx.default_comm,
-            ShardingOptions.from_config(ctx.zero_config),
+            ctx.options.sharding,
             source=ctx.data_parallel,
         )
         #: DeepSpeed's ``optimizer.parameter_offload``: the module hooks, for clients that take
@@ -147,8 +147,10 @@ class ParamPartitionStrategy(PartitionedStrategy):
                     copies[id(param)] = param.detach().to("cpu", copy=True)
         return _host_copies(state, copies)
 
-    def weights_for_save(self, exclude_frozen_parameters: bool = False) -> dict[str, Any] | None:
-        if not getattr(self.ctx.zero_config, "gather_16bit_weights_on_model_save", False):
+    def weights_for_save(
+        self, exclude_frozen_parameters: bool = False, gather_partitioned: bool = False
+    ) -> dict[str, Any] | None:
+        if not gather_partitioned:
             log_dist(
                 "save_16bit_model: not saved, because ZeRO stage 3 keeps the weights partitioned "
                 "and zero_optimization.stage3_gather_16bit_weights_on_model_save is false; set "

@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -46,8 +46,8 @@ from shardspeed.runtime.precision.autocast import lower_precision_safe_params
 from shardspeed.runtime.precision.policy import PrecisionPolicy
 from shardspeed.runtime.zero.comm_group import CommGroup
 from shardspeed.runtime.zero.grad_norm import GradSquares
-from shardspeed.runtime.zero.offload import OptimizerOffload, ParamOffload
 from shardspeed.runtime.zero.offload_states import StateOffloader
+from shardspeed.runtime.zero.options import ZeroOptions
 from shardspeed.runtime.zero.records import ParamRecord, ParamRegistry, record_of
 from shardspeed.runtime.zero.reduce_options import GradReduceOptions
 from shardspeed.runtime.zero.shard_group import GroupOptions, ParamFragment, ShardGroup
@@ -75,13 +75,12 @@ class StrategyContext:
     data_parallel: CommGroup
     #: the accelerator device the module runs on
     device: torch.device
-    zero_config: Any = None
+    #: the ``zero_optimization`` (and ``aio``) settings, resolved once
+    options: ZeroOptions = field(default_factory=ZeroOptions.defaults)
     #: the ``zero_allow_untested_optimizer`` flag
     allow_untested_optimizer: bool = False
     #: ``data_types.grad_accum_dtype`` (None: the strategy's default)
     grad_accum_dtype: torch.dtype | None = None
-    #: the ``aio`` section (NVMe swapping)
-    aio: Any = None
     #: the process group a trained parameter reduces over (None: ``shard_over`` for all);
     #: Mixture of Experts puts expert parameters on their expert-data-parallel group
     comm_for: Callable[[ParamRecord], CommGroup] | None = None
@@ -115,8 +114,8 @@ class ZeroStrategy:
         self.ctx = ctx
         self.registry = ParamRegistry(module, self)
         self._mark_autocast_comm_dtypes()
-        self.offload = OptimizerOffload.from_config(ctx.zero_config)
-        self.param_offload = ParamOffload.from_config(ctx.zero_config)
+        self.offload = ctx.options.offload_optimizer
+        self.param_offload = ctx.options.offload_param
         self.placement = self.offload.placement(ctx.device)
         if (self.offload.pin_memory or self.param_offload.pin_memory) and ctx.device.type == "cpu":
             log_dist(
@@ -175,9 +174,14 @@ class ZeroStrategy:
             state = {k: v for k, v in state.items() if k not in frozen}
         return state
 
-    def weights_for_save(self, exclude_frozen_parameters: bool = False) -> dict[str, Any] | None:
+    def weights_for_save(
+        self, exclude_frozen_parameters: bool = False, gather_partitioned: bool = False
+    ) -> dict[str, Any] | None:
         """The module weights ``save_16bit_model`` writes (every rank calls it), or None when
-        this strategy is configured not to assemble them (it says why)."""
+        they are partitioned and ``gather_partitioned`` (the config's
+        ``stage3_gather_16bit_weights_on_model_save``, read at save time) is false (it says
+        why)."""
+        del gather_partitioned  # nothing is partitioned below stage 3
         return self.full_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
 
     def load_full_state_dict(
@@ -211,9 +215,7 @@ class ZeroStrategy:
             precision=self.ctx.precision,
             reduce=self.ctx.reduce,
             grad_accum_dtype=self.ctx.grad_accum_dtype,
-            ignore_unused_parameters=bool(
-                getattr(self.ctx.zero_config, "ignore_unused_parameters", True)
-            ),
+            ignore_unused_parameters=self.ctx.options.ignore_unused_parameters,
             label=f"ZeRO stage {self.stage}",
         )
 
@@ -248,7 +250,7 @@ class ZeroStrategy:
     def make_stepper(self) -> SubGroupStepper:
         """How the optimizer steps: by ``sub_group_size`` (DeepSpeed applies it at stage 3;
         here every stage), with the offloaded masters' state swapped to NVMe if configured."""
-        size = int(getattr(self.ctx.zero_config, "sub_group_size", 0) or 0)
+        size = self.ctx.options.sub_group_size
         offloaded = [m for group in self.groups for m in group.offloaded_masters()]
         swapped = offloaded if self.offload.to_nvme else []
         swap = self.swap_store() if swapped or self.param_offload.to_nvme else None
@@ -269,7 +271,7 @@ class ZeroStrategy:
             self._swap_store = SwapStore(
                 folder,
                 comm.get_rank() if comm.is_initialized() else 0,
-                self.ctx.aio,
+                self.ctx.options.aio,
                 pin_memory=self.offload.pin_memory or self.param_offload.pin_memory,
             )
         return self._swap_store

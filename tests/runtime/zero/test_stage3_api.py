@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-from shardspeed.runtime.zero.config import DeepSpeedZeroConfig
-from shardspeed.runtime.zero.registry import check_zero_config
+from shardspeed.config import DeepSpeedConfig
+from shardspeed.runtime.zero.rules import check_zero_config
 from shardspeed.utils import (
     get_z3_leaf_modules,
     set_z3_leaf_modules,
@@ -36,9 +36,9 @@ def test_eval_state_dict_and_gathered_parameters(dist_pool):
     ],
 )
 def test_features_not_built_yet_are_refused_by_name(keys, named):
-    zero = DeepSpeedZeroConfig(stage=3, **keys)
+    config = DeepSpeedConfig({"train_batch_size": 1, "zero_optimization": {"stage": 3, **keys}})
     with pytest.raises(NotImplementedError, match=named):
-        check_zero_config(zero)
+        check_zero_config(config)
 
 
 @pytest.mark.parametrize(
@@ -56,9 +56,10 @@ def test_features_not_built_yet_are_refused_by_name(keys, named):
     ],
 )
 def test_offload_misconfigurations_name_the_fix(stage, keys, named):
-    zero = DeepSpeedZeroConfig(stage=stage, **keys)
+    # refused when the config is parsed (a stage rule DeepSpeed applies there) or at initialize
     with pytest.raises(ValueError, match=named):
-        check_zero_config(zero)
+        zero = {"stage": stage, **keys}
+        check_zero_config(DeepSpeedConfig({"train_batch_size": 1, "zero_optimization": zero}))
 
 
 @pytest.mark.parametrize("world", [2, 4], ids=["w2", "w4"])
