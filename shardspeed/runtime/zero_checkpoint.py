@@ -176,7 +176,7 @@ class ZeroFormat(PlannedFormat["DeepSpeedEngine"]):
             )
             out[MODULE] = {n: tuple(t.shape) for n, t in named if n not in local} | by_global
         if optimizer:
-            trained = model.named_parameters(remove_duplicate=False)
+            trained = model.named_parameters()  # tied: under its first name, as stepped
             out[OPTIMIZER] = {
                 n: tuple(p.shape) for n, p in trained if p.requires_grad and n not in local
             } | by_global

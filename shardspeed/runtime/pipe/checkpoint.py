@@ -166,7 +166,7 @@ class PipelineFormat(PlannedFormat["PipelineEngine"]):
             )
             out[MODULE] = {n: tuple(t.shape) for n, t in named}
         if optimizer:
-            trained = stage.named_parameters(remove_duplicate=False)
+            trained = stage.named_parameters()  # tied: under its first name, as stepped
             out[OPTIMIZER] = {n: tuple(p.shape) for n, p in trained if p.requires_grad}
         return out
 
