@@ -15,6 +15,8 @@
   ZeRO-3 tags (each parameter partitioned on its own, the weights in the optimizer shards);
 - :mod:`.reshard`: re-partitioning those shards for another data-parallel size, bucket layout
   or stage;
+- :mod:`.planner`: what each file of a save holds, as pieces of global tensors (name, global
+  shape, offsets), recorded in the model-states file and checked before a load;
 - :mod:`.consolidate`: one fp32 ``state_dict`` from a checkpoint (``zero_to_fp32``, also at
   DeepSpeed's path :mod:`shardspeed.utils.zero_to_fp32`);
 - :mod:`.standalone`: the torch-only ``zero_to_fp32.py`` written beside every checkpoint;

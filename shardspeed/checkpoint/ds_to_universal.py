@@ -40,6 +40,7 @@ from shardspeed.checkpoint.file_writer import save_file
 from shardspeed.checkpoint.files import LATEST_UNIVERSAL, MODEL_STATES, UNIVERSAL_MASTER
 from shardspeed.checkpoint.layout import param_bucket
 from shardspeed.checkpoint.manifest import FileRecord, check_tag
+from shardspeed.checkpoint.planner import PLAN_KEY
 from shardspeed.checkpoint.reshard import Resharder, replicated_from_shard
 from shardspeed.checkpoint.sources import UNIVERSAL_LAYOUT, read_model_states, saved_shards
 
@@ -84,7 +85,9 @@ def convert(
         "loss_scaler": state["loss_scaler"],
         "source": {"zero_stage": model.get("zero_stage"), "dp_world_size": shards[1]},
     }
-    universal_model = {**model, "optimizer": None, UNIVERSAL_LAYOUT: info}
+    # the source's record lists its shards, which the universal folder does not have
+    universal = {k: v for k, v in model.items() if k != PLAN_KEY}
+    universal_model = {**universal, "optimizer": None, UNIVERSAL_LAYOUT: info}
     records.append(save_file(universal_model, staging, MODEL_STATES))
     commit(str(out.parent), out.name, records, save_latest=False)
     durable.write_text(out.parent / LATEST_UNIVERSAL, out.name)

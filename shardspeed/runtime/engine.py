@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from types import ModuleType
 from typing import Any, ClassVar
 
 import torch
@@ -28,6 +27,7 @@ from torch import nn
 
 from shardspeed.accelerator import get_accelerator
 from shardspeed.runtime import checkpointer
+from shardspeed.runtime.checkpoint_format import CheckpointFormat
 from shardspeed.runtime.checkpoint_writer import PendingSave
 from shardspeed.runtime.dataloader import DeepSpeedDataLoader, build_dataloader
 from shardspeed.runtime.engine_accumulation import AccumulationWindow
@@ -38,6 +38,7 @@ from shardspeed.runtime.engine_queries import EngineQueries
 from shardspeed.runtime.engine_state import EngineStateVerbs
 from shardspeed.runtime.precision.autocast import autocast_if_enabled
 from shardspeed.runtime.zero.optimizer import ZeroOptimizer
+from shardspeed.runtime.zero_checkpoint import ZERO_FORMAT
 from shardspeed.utils.logging import log_dist
 from shardspeed.utils.timer import (
     BACKWARD_INNER_GLOBAL_TIMER,
@@ -66,9 +67,9 @@ class DeepSpeedEngine(EngineQueries, EngineStateVerbs, ModuleAttributes, nn.Modu
     """Wraps a model for distributed training; returned by :func:`shardspeed.initialize`.
     Attributes it lacks are the wrapped model's (``engine.moe_1`` is ``engine.module.moe_1``)."""
 
-    #: the checkpoint format's module (``save`` / ``load``): DeepSpeed's directory layout here,
+    #: ``save`` / ``load`` through the one writer and reader: DeepSpeed's directory layout here,
     #: its per-layer pipeline layout for the PipelineEngine
-    checkpoint_format: ClassVar[ModuleType] = checkpointer
+    checkpoint_format: ClassVar[CheckpointFormat] = ZERO_FORMAT
 
     global_steps = _counter("global_steps")
     global_samples = _counter("global_samples")

@@ -29,6 +29,7 @@ from torch import nn
 
 from shardspeed import comm
 from shardspeed.checkpoint.files import EXPERT_MODEL_STATES, EXPERT_OPTIM_STATES
+from shardspeed.checkpoint.planner import MODULE, OPTIMIZER, FilePieces, TensorPiece
 from shardspeed.checkpoint.reader import load_file
 from shardspeed.moe.autoep.experts import LocalExperts
 from shardspeed.moe.experts import Experts
@@ -112,6 +113,32 @@ def _has_groups(name: str) -> bool:
 def has_experts(module: nn.Module) -> bool:
     """Whether ``module`` has expert parameters (checkpoints then use the expert files)."""
     return any(is_moe_param(p) for p in module.parameters())
+
+
+def expert_piece(e: ExpertParam) -> TensorPiece:
+    """What an expert's files hold of the tensor ``e.global_name`` names in an ``ep_size=1``
+    model: all of an expert's own parameter, or one expert's row of a fused ``[experts, ...]``
+    parameter (the files keep the row without its leading dimension, as DeepSpeed's)."""
+    shape = tuple(e.param.shape)
+    if e.row is None:
+        return TensorPiece.whole(e.global_name, shape)
+    name = e.param.group_name  # type: ignore[attr-defined]
+    ep_size = groups._get_expert_parallel_world_size(name) if _has_groups(name) else 1
+    rest = shape[1:]
+    return TensorPiece(
+        e.global_name, (shape[0] * ep_size, *rest), (e.expert,) + (0,) * len(rest), (1, *rest)
+    )
+
+
+def expert_holdings(module: nn.Module, files: dict[str, Any]) -> list[FilePieces]:
+    """What each of this rank's expert ``files`` (name -> content) holds, for the planner."""
+    held: dict[tuple[str, str], list[TensorPiece]] = {}
+    for e in expert_params(module):
+        for family, template in ((MODULE, EXPERT_MODEL_STATES), (OPTIMIZER, EXPERT_OPTIM_STATES)):
+            name = template.format(e.layer, e.expert)
+            if e.global_name in files.get(name, ()):
+                held.setdefault((name, family), []).append(expert_piece(e))
+    return [FilePieces(name, family, tuple(p)) for (name, family), p in held.items()]
 
 
 def _cut(value: Any, row: int | None) -> Any:

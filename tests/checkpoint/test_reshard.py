@@ -26,6 +26,7 @@ from shardspeed.checkpoint.ds_to_universal import convert
 from shardspeed.checkpoint.reshard import Resharder
 from shardspeed.utils import logger, safe_get_full_fp32_param, safe_get_full_optimizer_state
 from shardspeed.zero import GatheredParameters
+from tests.checkpoint.plan_spy import captured_plans, check_plan
 from tests.runtime.parity import assert_close, make_task, param_setup, rank_rows
 from tests.runtime.zero.ranks import SHARD_ALL, _engine, _precision
 
@@ -108,14 +109,20 @@ def load_and_continue(
     groups: bool = False,
     universal: bool = False,
     mics: int = -1,
+    legacy: bool = False,
 ) -> None:
+    """Load the save of :func:`save_and_continue` at another shape and go on in parity; the
+    load ran through the one reader, which checked the save's record (``legacy``: a checkpoint
+    written before the record; a universal folder has none either)."""
     extra: dict[str, Any] = {"checkpoint": {"load_universal": True}} if universal else {}
     engine, task, gas = _build(
         stage, bucket, seed=123, dtype=dtype, groups=groups, mics=mics, **extra
     )
-    # universal: the tag comes from latest_universal
-    path, _ = engine.load_checkpoint(folder, tag=None if universal else "mid")
+    with captured_plans() as plans:
+        # universal: the tag comes from latest_universal
+        path, _ = engine.load_checkpoint(folder, tag=None if universal else "mid")
     assert path is not None and engine.global_steps == 3
+    check_plan(plans[0], recorded=not (legacy or universal))
     ref = torch.load(Path(folder) / "ref.pt", weights_only=False)
     loaded = _full_state(engine)
     assert loaded.keys() == ref["state"].keys()

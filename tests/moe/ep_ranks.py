@@ -3,6 +3,8 @@ engine at ``ep_size`` 1, 2 and 4, each against a single-process ``ep_size=1`` re
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -12,10 +14,12 @@ from torch import nn
 import shardspeed
 from examples.gpt_model import GPTConfig, synthetic_tokens
 from examples.gpt_moe_model import GPTMoE, MoEConfig, global_expert_name
+from shardspeed.checkpoint.planner import PLAN_KEY, CheckpointPlanError
 from shardspeed.moe.layer import MoE
 from shardspeed.moe.utils import configure_moe_param_groups
 from shardspeed.ops.factory import build_optimizer
 from shardspeed.utils import groups, safe_get_full_grad
+from tests.checkpoint.plan_spy import captured_plans, check_plan, edit_record, transpose_recorded
 from tests.runtime.parity import (
     OPT_PARAMS,
     assert_close,
@@ -140,7 +144,9 @@ def engine_parity(
     mapped = _mapped(model, ep_size)
     ref_opt = build_optimizer("AdamW", list(reference.parameters()), OPT_PARAMS)
     if load_dir is not None:
-        engine.load_checkpoint(load_dir, tag="t")
+        with captured_plans() as plans:  # the one reader ran, and checked the save's record
+            engine.load_checkpoint(load_dir, tag="t")
+        check_plan(plans[0])
         saved = torch.load(f"{load_dir}/reference.pt", weights_only=True)
         reference.load_state_dict(saved["model"])
         ref_opt.load_state_dict(saved["optimizer"])
@@ -263,10 +269,44 @@ def load_weights_only(folder: str, ep_size: int) -> int:
         "optimizer": {"type": "AdamW", "params": dict(OPT_PARAMS)},
     }
     engine, *_ = shardspeed.initialize(model=model, config=config)
-    engine.load_checkpoint(folder, tag="t", load_optimizer_states=False)
+    with captured_plans() as plans:
+        engine.load_checkpoint(folder, tag="t", load_optimizer_states=False)
+    check_plan(plans[0], recorded=False)  # DeepSpeed's files have no record
     reference = torch.load(f"{folder}/reference.pt", weights_only=True)["model"]
     mapped = _mapped(model, ep_size)
     for local_name, p, ref_name in mapped:
         assert_close(p.detach(), reference[ref_name], f"{local_name} loaded", 1e-5, 2e-5)
     engine.destroy()
     return len(mapped)
+
+
+def expert_record_checked(folder: str) -> None:
+    """The tag ``t`` saved at ep_size 2 on 2 ranks with the record of expert 3's first weight
+    transposed: the rank holding expert 3 refuses it naming the tensor, the other stops too."""
+    path = Path(folder) / "t" / "mp_rank_00_model_states.pt"
+    record = torch.load(path, weights_only=True)[PLAN_KEY]
+    held = next(f for f in record["files"] if f["name"].startswith("layer_0_expert_3_"))
+    name = next(n for n, p in held["pieces"].items() if len(p["global_shape"]) == 2)
+    if dist.get_rank() == 0:
+        edit_record(path, transpose_recorded(name))
+    dist.barrier()
+    model = GPTMoE(TINY, MoEConfig(ep_size=2, num_experts=4, k=2))
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": dict(OPT_PARAMS)},
+        "zero_optimization": {"stage": 1},
+    }
+    engine, *_ = shardspeed.initialize(model=model, config=config)
+    holds = groups._get_expert_parallel_rank(groups.expert_group_name(2)) == 1  # experts 2, 3
+    expected = (
+        (CheckpointPlanError, f"tensor '{re.escape(name)}' is saved in")
+        if holds
+        else (RuntimeError, "another rank failed to load checkpoint")
+    )
+    try:
+        engine.load_checkpoint(folder, tag="t")
+    except expected[0] as error:
+        assert re.search(expected[1], str(error)), error
+    else:
+        raise AssertionError("a record disagreeing with the experts' shapes was loaded")
+    engine.destroy()

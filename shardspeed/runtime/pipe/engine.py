@@ -29,7 +29,6 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from types import ModuleType
 from typing import Any, ClassVar
 
 import torch
@@ -37,10 +36,11 @@ from torch.utils.data.distributed import DistributedSampler
 
 from shardspeed import comm
 from shardspeed.runtime.activation_checkpointing import checkpointing
+from shardspeed.runtime.checkpoint_format import CheckpointFormat
 from shardspeed.runtime.engine import DeepSpeedEngine
 from shardspeed.runtime.engine_parts import EngineParts
-from shardspeed.runtime.pipe import checkpoint as pipe_checkpoint
 from shardspeed.runtime.pipe import schedule
+from shardspeed.runtime.pipe.checkpoint import PIPELINE_FORMAT
 from shardspeed.runtime.pipe.failure import StageFailure
 from shardspeed.runtime.pipe.module import PipelineError, PipelineModule
 from shardspeed.runtime.pipe.p2p import MessageMeta, P2PChannel
@@ -110,7 +110,7 @@ class PipelineEngine(DeepSpeedEngine):
     """The engine :func:`shardspeed.initialize` returns for a :class:`PipelineModule`."""
 
     #: DeepSpeed's pipeline layout: a file per layer, per stage and per shard
-    checkpoint_format: ClassVar[ModuleType] = pipe_checkpoint
+    checkpoint_format: ClassVar[CheckpointFormat] = PIPELINE_FORMAT
 
     def __init__(self, parts: EngineParts) -> None:
         super().__init__(parts)

@@ -10,6 +10,8 @@ from typing import Any
 import torch.distributed as dist
 
 import shardspeed
+from shardspeed.checkpoint.planner import MODULE
+from tests.checkpoint.plan_spy import captured_plans, check_plan
 from tests.moe.autoep.autoep_ranks import _local_slices, _tokens, build, section
 from tests.runtime.parity import assert_close
 
@@ -32,8 +34,15 @@ def train_side_by_side(
     engine, *_ = shardspeed.initialize(model=model, config=expert)
     ref_engine, *_ = shardspeed.initialize(model=reference, config=base)
     if resume:
-        engine.load_checkpoint(f"{folder}/autoep", tag="t")
-        ref_engine.load_checkpoint(f"{folder}/plain", tag="t")
+        with captured_plans() as plans:  # the one reader, checking the fused experts' rows
+            engine.load_checkpoint(f"{folder}/autoep", tag="t")
+            ref_engine.load_checkpoint(f"{folder}/plain", tag="t")
+        for plan in plans:
+            check_plan(plan)
+        fused = [
+            name for family, name in plans[0].sources if family == MODULE and "experts" in name
+        ]
+        assert fused and all(len(plans[0].sources[(MODULE, n)]) > 1 for n in fused), fused
     slices = _local_slices(engine.module)
     ref_params = dict(ref_engine.module.named_parameters())
 

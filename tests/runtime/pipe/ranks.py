@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import re
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -10,6 +12,15 @@ import torch.distributed as dist
 
 import shardspeed
 from examples.gpt_model import synthetic_tokens
+from shardspeed.checkpoint.planner import CheckpointPlanError
+from shardspeed.runtime.pipe.restage import STAGE_SHARD, STAGE_STATES
+from tests.checkpoint.plan_spy import (
+    captured_plans,
+    check_plan,
+    edit_record,
+    shift_flat_piece,
+    transpose_recorded,
+)
 from tests.runtime.parity import OPT_PARAMS, assert_close
 from tests.runtime.pipe.gpt_pipe import TINY, Reference, loss_fn, pipeline_from
 
@@ -257,7 +268,9 @@ def checkpoint_across_degrees(
         ref, opt = copy.deepcopy((reference, optimizer))
         module = pipeline_from(Reference(seed=7), stages)
         engine, *_ = shardspeed.initialize(model=module, config=config(micro, gas, clip, **extra))
-        _, client = engine.load_checkpoint(save_dir)
+        with captured_plans() as plans:  # the one reader ran, and checked the save's record
+            _, client = engine.load_checkpoint(save_dir)
+        check_plan(plans[0])
         assert client == {"note": "pipe"} and engine.global_steps == 3
         check_params(engine, ref, f"loaded at pipe {stages}", 1e-5, 1e-5)
         grid = module.mpu()
@@ -265,6 +278,45 @@ def checkpoint_across_degrees(
         batches = Batches(data, micro, gas, dp, grid.get_data_parallel_rank())
         _train_steps(engine, ref, opt, batches, range(3, 6), clip)
         engine.destroy()
+
+
+def record_checked(save_dir: str) -> None:
+    """The tag of :func:`checkpoint_across_degrees` (pipeline 2 x data 2, ZeRO 1) with its
+    record edited: the tied embedding recorded transposed, or a stage shard's piece moved, is
+    refused on every rank naming the tensor; without a record (as written before it) the tag
+    loads unchecked."""
+    path = Path(save_dir) / "t3" / STAGE_STATES.format(0)
+    pristine = path.read_bytes()
+    engine, *_ = shardspeed.initialize(
+        model=pipeline_from(Reference(seed=7), 2),
+        config=config(2, 2, 0.1, zero_optimization={"stage": 1}),
+    )
+    rank, embed = dist.get_rank(), "tied_modules.embed.weight"
+    shard = STAGE_SHARD.format(1, 0)
+    for edit, match in (
+        (transpose_recorded(embed), f"tensor '{embed}' is saved in"),
+        (shift_flat_piece(shard, -1), "is recorded twice over"),
+    ):
+        changed = edit_record(path, edit) if rank == 0 else None
+        dist.barrier()
+        try:
+            engine.load_checkpoint(save_dir)
+        except CheckpointPlanError as error:
+            assert re.search(match, str(error)), error
+            assert changed is None or f"'{changed}'" in str(error), (changed, error)
+        else:
+            raise AssertionError(f"an edited record ({match}) was loaded")
+        dist.barrier()
+        if rank == 0:
+            path.write_bytes(pristine)
+    if rank == 0:
+        edit_record(path, None)
+    dist.barrier()
+    with captured_plans() as plans:
+        engine.load_checkpoint(save_dir)
+    check_plan(plans[0], recorded=False)
+    assert engine.global_steps == 3
+    engine.destroy()
 
 
 def low_precision(dtype: str, monitor_dir: str, steps: int = 6) -> list[float]:
