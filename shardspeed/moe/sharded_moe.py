@@ -31,6 +31,7 @@ from shardspeed.moe.dispatch import combine, decode, dispatch, encode
 from shardspeed.moe.gating import route_top1, route_top2, route_topk
 from shardspeed.moe.noise import gumbel_rsample, multiplicative_jitter
 from shardspeed.moe.routing import Routing, route_slots
+from shardspeed.runtime.zero.partition_parameters import register_external_parameter
 
 __all__ = [
     "MOELayer",
@@ -236,6 +237,8 @@ class TopKGate(nn.Module):
         if k < 1 or k > num_experts:
             raise ValueError(f"k={k} must be between 1 and num_experts={num_experts}")
         self.wg = nn.Linear(model_dim, num_experts, bias=False)
+        # routing reads the weight without calling wg: ZeRO-3 must gather it for this module
+        register_external_parameter(self, self.wg.weight)
         self.ep_group = ep_group
         self.k = k
         self.capacity_factor = capacity_factor
@@ -314,6 +317,9 @@ class MOELayer(nn.Module):
             raise NotImplementedError(TUTEL_REFUSED)
         self.gate = gate
         self.experts = experts
+        wg = getattr(gate, "wg", None)
+        if isinstance(wg, nn.Linear):  # forward routes with gate.route(): ZeRO-3 gathers wg here
+            register_external_parameter(self, wg.weight)
         self.ep_group: comm.ProcessGroup | None = None
         self.ep_size = ep_size
         self.ep_group_name = ep_group_name

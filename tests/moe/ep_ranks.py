@@ -15,6 +15,7 @@ from examples.gpt_moe_model import GPTMoE, MoEConfig, global_expert_name
 from shardspeed.moe.layer import MoE
 from shardspeed.moe.utils import configure_moe_param_groups
 from shardspeed.ops.factory import build_optimizer
+from shardspeed.runtime.zero.partition_parameters import GatheredParameters
 from shardspeed.utils import groups, safe_get_full_grad
 from tests.runtime.parity import (
     OPT_PARAMS,
@@ -144,17 +145,18 @@ def engine_parity(
         saved = torch.load(f"{load_dir}/reference.pt", weights_only=True)
         reference.load_state_dict(saved["model"])
         ref_opt.load_state_dict(saved["optimizer"])
-    for local_name, p, ref_name in mapped:  # the engine starts from the same weights
-        what, tol = f"{local_name} at start", 1e-5 if load_dir else 0.0
-        assert_close(p.detach(), ref_params[ref_name].detach(), what, tol, tol)
+    with GatheredParameters(list(model.parameters())):  # ZeRO-3: every rank's shards
+        for local_name, p, ref_name in mapped:  # the engine starts from the same weights
+            what, tol = f"{local_name} at start", 1e-5 if load_dir else 0.0
+            assert_close(p.detach(), ref_params[ref_name].detach(), what, tol, tol)
     data = synthetic_tokens((first_step + steps) * micro * gas * world, TINY, seed=1)
     x, y = data.tensors
-    losses = []
+    losses: list[float] = []
+    norms: list[float] = []
     for step in range(first_step, first_step + steps):
         ref_opt.zero_grad()
         ref_loss = reference_backward(reference, x, y, step, micro, gas, world)
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(list(reference.parameters()), clip)
+        ref_norm = torch.nn.utils.clip_grad_norm_(list(reference.parameters()), clip or 1e30)
         total = torch.zeros(())
         for micro_step in range(gas):
             start = step * micro * gas * world + (micro_step * world + rank) * micro
@@ -169,15 +171,20 @@ def engine_parity(
             engine.step()
             total += loss.detach()
         ref_opt.step()
+        norm = engine.get_global_grad_norm()  # each expert counted once
+        assert norm is not None
+        assert_close(torch.tensor(norm), ref_norm, f"gradient norm at step {step}", 1e-5, 0.0)
+        norms.append(float(ref_norm))
         dist.all_reduce(total)
         global_loss = total / (world * gas)
         assert_close(global_loss, ref_loss.detach(), f"loss at step {step}", 1e-5, 1e-6)
-        for local_name, p, ref_name in mapped:
-            # gloo's 4-rank reductions sum in an order that depends on where an element sits in
-            # its bucket, and Adam turns that last-bit noise on near-zero gradients into
-            # parameter differences of ~1e-5 after 10 steps (see tests/runtime/parity.py)
-            ref = ref_params[ref_name].detach()
-            assert_close(p.detach(), ref, f"{local_name} at step {step}", 1e-5, 2e-5)
+        with GatheredParameters(list(model.parameters())):
+            for local_name, p, ref_name in mapped:
+                # gloo's 4-rank reductions sum in an order that depends on where an element
+                # sits in its bucket, and Adam turns that last-bit noise on near-zero gradients
+                # into parameter differences of ~1e-5 after 10 steps (see tests/runtime/parity.py)
+                ref = ref_params[ref_name].detach()
+                assert_close(p.detach(), ref, f"{local_name} at step {step}", 1e-5, 2e-5)
         losses.append(global_loss.item())
     if save_dir is not None:
         engine.save_checkpoint(save_dir, tag="t")
@@ -187,6 +194,8 @@ def engine_parity(
             torch.save(state, f"{save_dir}/reference.pt")
         dist.barrier()
     engine.destroy()
+    if clip > 0:
+        assert max(norms) > clip, norms  # clipping took part
     return losses
 
 

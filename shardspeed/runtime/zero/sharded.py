@@ -3,7 +3,9 @@
 The strategy is stage 2's (:class:`~.partitioned.PartitionedStrategy` with
 :class:`~.partitioned_group.ChunkBuffers`) plus a :class:`~.param_sharding.ParamSharding` that
 keeps every parameter, trained or frozen, as this rank's shard and gathers it around its use.
-Its shard group is a :class:`~.sharded_group.ShardedParamsGroup`. The module's full state dict
+Its shard groups are :class:`~.sharded_group.ShardedParamsGroup`\ s, one per process group the
+parameters reduce over (Mixture of Experts: the expert parameters over their
+expert-data-parallel group, sharded over it too). The module's full state dict
 is gathered unit by unit; checkpoints keep stages 1-2's bucket layout, so they re-partition to
 any stage and world size.
 
@@ -86,6 +88,7 @@ class ParamPartitionStrategy(PartitionedStrategy):
             ctx.default_comm,
             ShardingOptions.from_config(ctx.zero_config),
             source=ctx.data_parallel,
+            comm_of=self.comm_group_of,
         )
         #: DeepSpeed's ``optimizer.parameter_offload``: the module hooks, for clients that take
         #: them off around a whole-model forward (not to be confused with ``param_offload``,
@@ -96,7 +99,9 @@ class ParamPartitionStrategy(PartitionedStrategy):
     def place_module(self, move: bool = True) -> None:
         """Cast and move the buffers as the other stages do, then hand every parameter to the
         sharding unit by unit (never the whole module at once: it may have been built
-        partitioned by ``zero.Init`` because it does not fit)."""
+        partitioned by ``zero.Init`` because it does not fit). Every rank starts from the
+        data-parallel group's first rank's weights; expert parameters from their
+        expert-data-parallel group's first rank (the other ranks hold other experts)."""
         dtype = self.ctx.precision.param_dtype
         device = self.placement.device if move else None
         dp = self.ctx.data_parallel
@@ -114,9 +119,7 @@ class ParamPartitionStrategy(PartitionedStrategy):
             host = torch.device("cpu") if self.param_offload.device == "cpu" else None
             store = self.swap_store() if self.param_offload.to_nvme else None
             self.sharding.offload_to(host, store)
-        self.sharding.shard(
-            dtype if dtype != torch.float32 else None, device, src if dp.partitioned else None
-        )
+        self.sharding.shard(dtype if dtype != torch.float32 else None, device, broadcast=True)
 
     def make_group(self, records: list[ParamRecord], comm_group: CommGroup) -> ShardGroup:
         return ShardedParamsGroup(
