@@ -238,6 +238,7 @@ class TopKGate(nn.Module):
             raise ValueError(f"k={k} must be between 1 and num_experts={num_experts}")
         self.wg = nn.Linear(model_dim, num_experts, bias=False)
         # routing reads the weight without calling wg: ZeRO-3 must gather it for this module
+        assert isinstance(self.wg.weight, nn.Parameter)
         register_external_parameter(self, self.wg.weight)
         self.ep_group = ep_group
         self.k = k
@@ -317,9 +318,9 @@ class MOELayer(nn.Module):
             raise NotImplementedError(TUTEL_REFUSED)
         self.gate = gate
         self.experts = experts
-        wg = getattr(gate, "wg", None)
-        if isinstance(wg, nn.Linear):  # forward routes with gate.route(): ZeRO-3 gathers wg here
-            register_external_parameter(self, wg.weight)
+        weight = getattr(getattr(gate, "wg", None), "weight", None)
+        if isinstance(weight, nn.Parameter):  # forward routes by gate.route(): gathered here
+            register_external_parameter(self, weight)
         self.ep_group: comm.ProcessGroup | None = None
         self.ep_size = ep_size
         self.ep_group_name = ep_group_name

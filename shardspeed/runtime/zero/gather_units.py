@@ -94,6 +94,12 @@ class GatherUnit:
     #: forward inside the block must not free what the block's code reads after it)
     holds: int = 0
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> None:
+        """A copy of a module built under ``zero.Init`` holds its parameters whole (see
+        :meth:`.ZeroParameter.__deepcopy__`), so it has no construction-time unit: the copy
+        of the module's unit is None."""
+        del memo
+
     @property
     def numel(self) -> int:
         return sum(r.numel for r in self.records)

@@ -185,7 +185,9 @@ class ParamSharding:
         by_comm: dict[CommGroup, list[nn.Parameter]] = {}
         for record in records:
             by_comm.setdefault(self.comm_of(record), []).append(record.param)
-        return [flat for group, params in by_comm.items() for flat in pack_flat_shards(params, group)]
+        return [
+            flat for group, params in by_comm.items() for flat in pack_flat_shards(params, group)
+        ]
 
     def _source_of(self, group: CommGroup) -> CommGroup:
         """The group whose first rank's weights a buffer sharded over ``group`` starts from:
@@ -202,13 +204,16 @@ class ParamSharding:
                 flat.keep_full_values()
 
     @torch.no_grad()
-    def shard(self, dtype: torch.dtype | None, device: torch.device | None, broadcast: bool) -> None:
+    def shard(
+        self, dtype: torch.dtype | None, device: torch.device | None, broadcast: bool
+    ) -> None:
         """Keep only this rank's shard of every parameter, unit by unit, and install the hooks.
 
         Each unit's parameters are cast to ``dtype`` (floating ones; None keeps theirs), moved
         to ``device`` (None keeps it) and, if ``broadcast``, given the values of the first rank
-        of their source group (see :meth:`_source_of`). Parameters partitioned at construction (``zero.Init``) are gathered one unit at
-        a time, so the whole model is never held at once."""
+        of their source group (see :meth:`_source_of`). Parameters partitioned at construction
+        (``zero.Init``, over the data-parallel group) are gathered one unit at a time, so the
+        whole model is never held at once, and sharded again over their own group."""
         constructed = constructed_units(self.module)
         # how many of each construction-time unit's parameters are still to move: its shards
         # are freed as soon as none is left (never two copies of the model's shards at once)

@@ -3,10 +3,10 @@
 The strategy is stage 2's (:class:`~.partitioned.PartitionedStrategy` with
 :class:`~.partitioned_group.ChunkBuffers`) plus a :class:`~.param_sharding.ParamSharding` that
 keeps every parameter, trained or frozen, as this rank's shard and gathers it around its use.
-Its shard groups are :class:`~.sharded_group.ShardedParamsGroup`\ s, one per process group the
-parameters reduce over (Mixture of Experts: the expert parameters over their
-expert-data-parallel group, sharded over it too). The module's full state dict
-is gathered unit by unit; checkpoints keep stages 1-2's bucket layout, so they re-partition to
+Its shard groups are :class:`~.sharded_group.ShardedParamsGroup` objects, one per process
+group the parameters reduce over (Mixture of Experts: the expert parameters over their
+expert-data-parallel group, sharded over it too). The module's full state dict is gathered unit
+by unit; checkpoints keep stages 1-2's bucket layout, so they re-partition to
 any stage and world size.
 
 Communication per optimizer step without accumulation: an all-gather of every non-persistent
