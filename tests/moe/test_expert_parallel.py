@@ -66,7 +66,7 @@ def test_checkpoint_resumes_at_other_expert_and_data_parallel_sizes(
     dist_pool(4).run(ep_ranks.engine_parity, 1, 1, **resume)
 
 
-@pytest.mark.parametrize(("dtype", "stage"), [("bf16", 2), ("fp16", 1)])
+@pytest.mark.parametrize(("dtype", "stage"), [("bf16", 2), ("fp16", 1), ("bf16", 3)])
 def test_half_precision_expert_parallel_follows_replicated_experts(dist_pool, dtype, stage):
     """bf16 / fp16 (loss scaling): ep_size 2 follows the all-experts-local run within
     half-precision rounding, and trains."""
