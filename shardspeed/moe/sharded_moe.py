@@ -31,6 +31,7 @@ from shardspeed.moe.dispatch import combine, decode, dispatch, encode
 from shardspeed.moe.gating import route_top1, route_top2, route_topk
 from shardspeed.moe.noise import gumbel_rsample, multiplicative_jitter
 from shardspeed.moe.routing import Routing, route_slots
+from shardspeed.runtime.zero.partition_parameters import register_external_parameter
 
 __all__ = [
     "MOELayer",
@@ -236,6 +237,9 @@ class TopKGate(nn.Module):
         if k < 1 or k > num_experts:
             raise ValueError(f"k={k} must be between 1 and num_experts={num_experts}")
         self.wg = nn.Linear(model_dim, num_experts, bias=False)
+        # routing reads the weight without calling wg: ZeRO-3 must gather it for this module
+        assert isinstance(self.wg.weight, nn.Parameter)
+        register_external_parameter(self, self.wg.weight)
         self.ep_group = ep_group
         self.k = k
         self.capacity_factor = capacity_factor
@@ -314,6 +318,9 @@ class MOELayer(nn.Module):
             raise NotImplementedError(TUTEL_REFUSED)
         self.gate = gate
         self.experts = experts
+        weight = getattr(getattr(gate, "wg", None), "weight", None)
+        if isinstance(weight, nn.Parameter):  # forward routes by gate.route(): gathered here
+            register_external_parameter(self, weight)
         self.ep_group: comm.ProcessGroup | None = None
         self.ep_size = ep_size
         self.ep_group_name = ep_group_name

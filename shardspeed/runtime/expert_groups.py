@@ -7,7 +7,9 @@ reduced, over its expert-data-parallel group only (the ranks holding the same ex
 over the whole data-parallel group: the gradient of an expert already sums the tokens its
 expert-parallel peers routed to it. Everything else reduces over the data-parallel group.
 Expert parameters form shard groups of their own also at ``ep_size=1``, so the dense
-parameters' checkpoint layout does not depend on the expert-parallel size.
+parameters' checkpoint layout does not depend on the expert-parallel size. At ZeRO stage 3 the
+expert parameters are also sharded over their expert-data-parallel group (DeepSpeed refuses
+expert parallelism at stage 3).
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ def expert_comm_for(
     model: nn.Module, dp: CommGroup, zero_stage: int, use_data_before_expert_parallel: bool
 ) -> Callable[[ParamRecord], CommGroup] | None:
     """Make the groups of every ``MoE`` layer of ``model`` (each rank, layers in module order)
-    and return the strategy's ``comm_for``; None for a model with no expert parameters."""
+    and return the strategy's ``comm_for``; None for a model with no expert parameters.
+    Every ZeRO stage takes the same groups (``zero_stage`` is not consulted)."""
+    del zero_stage
     for module in model.modules():
         if isinstance(module, MoE):
             module.set_deepspeed_parallelism(use_data_before_expert_parallel)
@@ -42,12 +46,6 @@ def expert_comm_for(
         if ep_size == 1:  # reduced as the dense parameters are, but kept as a group apart
             by_name[name] = dataclasses.replace(dp, label=name)
             continue
-        if zero_stage >= 3:
-            raise NotImplementedError(
-                f"Mixture of Experts with expert parallelism ({name}) is not supported with "
-                "ZeRO stage 3 (nor is it in DeepSpeed); use zero_optimization.stage 0, 1 or 2, "
-                "or ep_size=1"
-            )
         if dp.world_size != comm.get_world_size():
             raise NotImplementedError(
                 "expert parallelism needs the data-parallel group to be the whole world "

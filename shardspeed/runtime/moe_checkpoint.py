@@ -342,6 +342,8 @@ def with_expert_slots(engine: DeepSpeedEngine, saved: dict[str, Any]) -> dict[st
 def load_expert_optimizer(engine: DeepSpeedEngine, folder: Path, allow_unsafe_pickle: bool) -> None:
     """Set each local expert's fp32 master and optimizer state from its files (this rank's
     piece of each whole tensor)."""
+    from shardspeed.utils import safe_set_full_fp32_param
+
     strategy = engine.strategy
     optimizer = strategy.optimizer
     assert optimizer is not None
@@ -366,6 +368,5 @@ def load_expert_optimizer(engine: DeepSpeedEngine, folder: Path, allow_unsafe_pi
                     state[key].view(-1)[fragment.state_slice].copy_(piece)
                 else:  # a per-tensor scalar ("step"): the same for every parameter
                     state[key] = value.clone() if torch.is_tensor(value) else value
-            full = saved["fp32"]
-            fragment.master.copy_(full.reshape(-1)[fragment.param_slice])
-            e.param.data.copy_(full.view(e.param.shape).to(e.param.dtype))
+            # the master's piece and the model's own copy (ZeRO-3: this rank's shard piece)
+            safe_set_full_fp32_param(e.param, saved["fp32"].view(e.param.shape))

@@ -51,11 +51,7 @@ def _tensor_parallel_size(mpu: Any) -> int:
 def _refuse_unsupported(
     section: ExpertParallelConfig, zero_stage: int, autotp_size: int, mpu: Any
 ) -> None:
-    if zero_stage >= 3:
-        raise ValueError(
-            f"expert_parallel (AutoEP) supports ZeRO stages 0, 1 and 2, not "
-            f"zero_optimization.stage={zero_stage}; use stage 2, or disable expert_parallel"
-        )
+    del zero_stage  # every stage: ZeRO-3 shards the experts over their expert-data group
     if autotp_size > 1:
         raise ValueError(
             f"expert_parallel (AutoEP) cannot be combined with AutoTP "

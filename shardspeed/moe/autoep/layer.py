@@ -19,6 +19,7 @@ from shardspeed.moe.autoep.detection import MoEBlockSpec
 from shardspeed.moe.autoep.exchange import exchange_counts, uneven_all_to_all
 from shardspeed.moe.autoep.experts import LocalExperts
 from shardspeed.moe.autoep.routing import RoutingRule
+from shardspeed.runtime.zero.partition_parameters import GatheredParameters
 
 
 def _expert_major(counts: Tensor) -> Tensor:
@@ -79,16 +80,19 @@ class AutoEPMoELayer(nn.Module):
         fused = getattr(block, self.experts_name)
         first = ep_rank * self.num_local_experts
         local = slice(first, first + self.num_local_experts)
-        experts = LocalExperts(
-            getattr(fused, w1_name)[local],
-            getattr(fused, w2_name)[local],
-            fused.act_fn,
-            first=first,
-            group_name=group_name,
-            w1_name=w1_name,
-            w2_name=w2_name,
-            use_grouped_mm=use_grouped_mm,
-        )
+        w1, w2 = getattr(fused, w1_name), getattr(fused, w2_name)
+        # a model partitioned by zero.Init: its fused tensors whole while their slice is copied
+        with GatheredParameters([w1, w2]):
+            experts = LocalExperts(
+                w1[local],
+                w2[local],
+                fused.act_fn,
+                first=first,
+                group_name=group_name,
+                w1_name=w1_name,
+                w2_name=w2_name,
+                use_grouped_mm=use_grouped_mm,
+            )
         self.add_module(self.experts_name, experts)
 
     @property

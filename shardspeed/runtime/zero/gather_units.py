@@ -144,9 +144,28 @@ class GatherUnit:
 CONSTRUCTED_UNIT_ATTR = "_shardspeed_constructed_unit"
 
 
+class _ConstructedUnit:
+    """The holder of a construction-time unit in its module's ``__dict__``. A deep copy of the
+    module holds its parameters whole (see :meth:`.ZeroParameter.__deepcopy__`), so it has no
+    such unit: the holder's copy is None."""
+
+    __slots__ = ("unit",)
+
+    def __init__(self, unit: GatherUnit) -> None:
+        self.unit = unit
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> None:
+        del memo
+
+
+def set_constructed_unit(module: nn.Module, unit: GatherUnit) -> None:
+    """Keep ``unit``, made by ``zero.Init`` for ``module``'s own parameters, on ``module``."""
+    module.__dict__[CONSTRUCTED_UNIT_ATTR] = _ConstructedUnit(unit)
+
+
 def constructed_unit(module: nn.Module) -> GatherUnit | None:
-    unit = module.__dict__.get(CONSTRUCTED_UNIT_ATTR)
-    return unit if isinstance(unit, GatherUnit) else None
+    held = module.__dict__.get(CONSTRUCTED_UNIT_ATTR)
+    return held.unit if isinstance(held, _ConstructedUnit) else None
 
 
 def constructed_units(module: nn.Module) -> dict[int, GatherUnit]:
@@ -163,9 +182,9 @@ def constructed_units(module: nn.Module) -> dict[int, GatherUnit]:
 def forget_constructed_units(module: nn.Module) -> None:
     """Drop the construction-time units (their parameters moved into the strategy's)."""
     for sub in module.modules():
-        unit = sub.__dict__.pop(CONSTRUCTED_UNIT_ATTR, None)
-        if isinstance(unit, GatherUnit):
-            unit.flats = []
+        held = sub.__dict__.pop(CONSTRUCTED_UNIT_ATTR, None)
+        if isinstance(held, _ConstructedUnit):
+            held.unit.flats = []
 
 
 def _module_params(module: nn.Module) -> Iterator[nn.Parameter]:

@@ -31,9 +31,9 @@ from shardspeed.accelerator import get_accelerator
 from shardspeed.runtime.zero.comm_group import CommGroup
 from shardspeed.runtime.zero.flat_shard import pack_flat_shards
 from shardspeed.runtime.zero.gather_units import (
-    CONSTRUCTED_UNIT_ATTR,
     GatherUnit,
     constructed_unit,
+    set_constructed_unit,
 )
 from shardspeed.runtime.zero.partition_parameters import publish
 from shardspeed.runtime.zero.records import ParamRecord, ParamState, index_record, record_of
@@ -250,7 +250,7 @@ class Init:
             self.comm.broadcast(flat.full)  # every rank starts from rank 0's values
             flat.keep_full_values()
         unit = GatherUnit(-1, type(module).__name__, module, records, flats=flats)
-        module.__dict__[CONSTRUCTED_UNIT_ATTR] = unit
+        set_constructed_unit(module, unit)
         for record in records:
             record.unit = unit
             record.state = ParamState.GATHERED

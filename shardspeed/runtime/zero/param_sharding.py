@@ -19,11 +19,18 @@ taken off and put back, DeepSpeed's ``parameter_offload`` hook lists, see
 parameters move into their shard group's bucket layout when the optimizer is bound
 (:meth:`ParamSharding.adopt_buckets`), so a bucket's reduce-scatter hands every rank the
 gradient of exactly its shard.
+
+Every parameter is sharded over the process group it reduces over (``comm_of``): the
+data-parallel group, or, for Mixture-of-Experts parameters, their expert-data-parallel group
+(the ranks holding the same experts). A unit whose parameters reduce over several groups keeps
+one buffer per group, each gathered over its own group; its initial weights come from that
+group's first rank (the data-parallel group's for the dense parameters: MiCS broadcasts them
+over the whole data-parallel group, wider than its shard group).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -94,12 +101,18 @@ class ParamSharding:
         comm: CommGroup,
         options: ShardingOptions,
         source: CommGroup | None = None,
+        comm_of: Callable[[ParamRecord], CommGroup] | None = None,
     ) -> None:
         self.module = module
+        #: the group parameters are sharded over unless ``comm_of`` says otherwise
         self.comm = comm
-        #: the group the initial weights are broadcast over (MiCS: the world, wider than the
-        #: shard group ``comm``)
+        #: the group the initial weights of ``comm``'s parameters are broadcast over (MiCS: the
+        #: world, wider than the shard group ``comm``)
         self.source = source if source is not None else comm
+        #: the group each parameter is sharded (and its gradient reduced) over
+        self.comm_of: Callable[[ParamRecord], CommGroup] = comm_of or (lambda record: comm)
+        #: ids of the flat buffers laid out as a shard group's gradient buckets
+        self._bucket_flats: set[int] = set()
         self.options = options
         self.units = plan_units(module, registry)
         self._in_backward = False
@@ -150,6 +163,30 @@ class ParamSharding:
             flat.offload(residency_for(self._offload_host, self._offload_store, key))
 
     # -- setting up -------------------------------------------------------------------------
+    def _pack(self, records: Sequence[ParamRecord]) -> list[FlatShard]:
+        """``records``' parameters in flat buffers, one per process group they are sharded
+        over (and dtype)."""
+        by_comm: dict[CommGroup, list[nn.Parameter]] = {}
+        for record in records:
+            by_comm.setdefault(self.comm_of(record), []).append(record.param)
+        return [
+            flat for group, params in by_comm.items() for flat in pack_flat_shards(params, group)
+        ]
+
+    def _source_of(self, group: CommGroup) -> CommGroup:
+        """The group whose first rank's weights a buffer sharded over ``group`` starts from:
+        another group than ``comm`` (expert parameters) is its own source, its ranks being
+        the only ones holding those parameters."""
+        return self.source if group == self.comm else group
+
+    def _broadcast(self, flats: Sequence[FlatShard]) -> None:
+        """Give ``flats`` (gathered) their source group's first rank's values."""
+        for flat in flats:
+            source = self._source_of(flat.comm)
+            if source.partitioned:
+                source.broadcast(flat.full)
+                flat.keep_full_values()
+
     @torch.no_grad()
     def shard(
         self, dtype: torch.dtype | None, device: torch.device | None, broadcast: bool
@@ -157,9 +194,10 @@ class ParamSharding:
         """Keep only this rank's shard of every parameter, unit by unit, and install the hooks.
 
         Each unit's parameters are cast to ``dtype`` (floating ones; None keeps theirs), moved
-        to ``device`` (None keeps it) and, with ``broadcast``, given the values of the first
-        rank of the broadcast source group. Parameters partitioned at construction (``zero.Init``) are gathered one unit at
-        a time, so the whole model is never held at once."""
+        to ``device`` (None keeps it) and, if ``broadcast``, given the values of the first rank
+        of their source group (see :meth:`_source_of`). Parameters partitioned at construction
+        (``zero.Init``, over the data-parallel group) are gathered one unit at a time, so the
+        whole model is never held at once, and sharded again over their own group."""
         constructed = constructed_units(self.module)
         # how many of each construction-time unit's parameters are still to move: its shards
         # are freed as soon as none is left (never two copies of the model's shards at once)
@@ -174,11 +212,9 @@ class ParamSharding:
                 param = record.param
                 cast = dtype if dtype is not None and param.is_floating_point() else param.dtype
                 param.data = param.data.to(device=device or param.device, dtype=cast)
-            unit.flats = pack_flat_shards([r.param for r in unit.records], self.comm)
-            if broadcast and self.source.partitioned:
-                for flat in unit.flats:
-                    self.source.broadcast(flat.full)
-                    flat.keep_full_values()
+            unit.flats = self._pack(unit.records)
+            if broadcast:
+                self._broadcast(unit.flats)
             small = all(r.numel < self.options.param_persistence_threshold for r in unit.records)
             if small and unit.numel <= budget:
                 unit.persistent = True
@@ -211,7 +247,8 @@ class ParamSharding:
         """Lay the trained parameters out as the shard group's ``buckets`` (one flat buffer
         each, in bucket order, sharded over ``comm_group``: Mixture of Experts shards
         expert parameters over their expert-data-parallel group); a unit's other parameters
-        keep a buffer of their own."""
+        keep the bucket buffers of the shard groups adopted before, or a buffer per group of
+        their own."""
         by_unit: dict[int, list[GradBucket]] = {}
         for bucket in buckets:
             unit = self._unit_of(bucket.params[0])
@@ -221,15 +258,17 @@ class ParamSharding:
             unit = self.units[index]
             was_gathered = unit.gathered
             self._fetch([unit])
-            placed: set[int] = set()
-            flats = []
+            # a unit reducing over several groups: another group's buckets stay as they are
+            flats = [flat for flat in unit.flats if id(flat) in self._bucket_flats]
+            placed = {id(p) for flat in flats for p in flat.params}
             for bucket in unit_buckets:
                 flat = FlatShard(bucket.params, bucket.offsets, bucket.size, comm_group)
                 adopted[bucket.index] = flat
+                self._bucket_flats.add(id(flat))
                 flats.append(flat)
                 placed.update(id(p) for p in bucket.params)
             rest = [r for r in unit.records if id(r.param) not in placed]
-            unit.flats = flats + pack_flat_shards([r.param for r in rest], self.comm)
+            unit.flats = flats + self._pack(rest)
             if not was_gathered:
                 unit.release()
         self._offload_units()

@@ -3,8 +3,10 @@
 The strategy is stage 2's (:class:`~.partitioned.PartitionedStrategy` with
 :class:`~.partitioned_group.ChunkBuffers`) plus a :class:`~.param_sharding.ParamSharding` that
 keeps every parameter, trained or frozen, as this rank's shard and gathers it around its use.
-Its shard group is a :class:`~.sharded_group.ShardedParamsGroup`. The module's full state dict
-is gathered unit by unit; checkpoints keep stages 1-2's bucket layout, so they re-partition to
+Its shard groups are :class:`~.sharded_group.ShardedParamsGroup` objects, one per process
+group the parameters reduce over (Mixture of Experts: the expert parameters over their
+expert-data-parallel group, sharded over it too). The module's full state dict is gathered unit
+by unit; checkpoints keep stages 1-2's bucket layout, so they re-partition to
 any stage and world size.
 
 Communication per optimizer step without accumulation: an all-gather of every non-persistent
@@ -85,6 +87,7 @@ class ParamPartitionStrategy(PartitionedStrategy):
             ctx.default_comm,
             ctx.options.sharding,
             source=ctx.data_parallel,
+            comm_of=self.comm_group_of,
         )
         #: DeepSpeed's ``optimizer.parameter_offload``: the module hooks, for clients that take
         #: them off around a whole-model forward (not to be confused with ``param_offload``,
@@ -95,7 +98,9 @@ class ParamPartitionStrategy(PartitionedStrategy):
     def place_module(self, move: bool = True) -> None:
         """Cast and move the buffers as the other stages do, then hand every parameter to the
         sharding unit by unit (never the whole module at once: it may have been built
-        partitioned by ``zero.Init`` because it does not fit)."""
+        partitioned by ``zero.Init`` because it does not fit). Every rank starts from the
+        data-parallel group's first rank's weights; expert parameters from their
+        expert-data-parallel group's first rank (the other ranks hold other experts)."""
         dtype = self.ctx.precision.param_dtype
         device = self.placement.device if move else None
         dp = self.ctx.data_parallel

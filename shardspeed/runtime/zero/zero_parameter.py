@@ -11,6 +11,7 @@ tensor, and the class goes back to ``nn.Parameter`` when the strategy is destroy
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import torch
 from torch import nn
@@ -64,6 +65,29 @@ class ZeroParameter(nn.Parameter):
         if record is None:
             raise AttributeError("this parameter is no longer managed by ZeRO-3")
         return record
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> nn.Parameter:
+        """A whole, ordinary parameter with this one's full value (``copy.deepcopy`` of a
+        module built under ``zero.Init``, e.g. the Mixture-of-Experts layer copying its expert
+        once per local expert). A released parameter is gathered for the copy: a collective
+        over its buffer's group, so every rank of it copies the module at the same point, as
+        every rank builds it."""
+        if id(self) in memo:
+            return memo[id(self)]  # type: ignore[no-any-return]
+        record = record_of(self)
+        unit = None if record is None else record.unit
+        released = unit is not None and not unit.gathered
+        if released:
+            assert unit is not None
+            unit.gather()
+        try:
+            copied = nn.Parameter(self.data.clone(), self.requires_grad)
+        finally:
+            if released:
+                assert unit is not None
+                unit.release()
+        memo[id(self)] = copied
+        return copied
 
     @property
     def ds_id(self) -> int:

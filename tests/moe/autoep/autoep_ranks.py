@@ -356,7 +356,6 @@ def _apply(model: nn.Module | None = None, mpu: Any = None, **keys: Any) -> Any:
 def refusals() -> dict[str, str]:
     """The message of every refused combination (a refusal changes nothing)."""
     return {
-        "stage3": _error(lambda: _initialize(zero=3)),
         "autotp": _error(lambda: _initialize(tensor_parallel={"autotp_size": 2})),
         "mpu_tp": _error(lambda: _apply(mpu=_TensorParallelMpu())),
         "deepseek_lb": _error(lambda: _apply(preset_model="deepseek_v3", load_balance_coeff=1e-3)),

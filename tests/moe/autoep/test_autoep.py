@@ -49,7 +49,6 @@ def test_training_with_expert_data_parallel_groups(dist_pool):
 def test_refusals(dist_pool):
     messages = dist_pool(2).run(autoep_ranks.refusals)[0]
     expected = {
-        "stage3": "stage 2",
         "autotp": "autotp_size",
         "mpu_tp": "tensor model parallelism",
         "deepseek_lb": "load_balance_coeff to null",
