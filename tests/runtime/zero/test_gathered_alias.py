@@ -17,6 +17,7 @@ from torch import nn
 
 from shardspeed.runtime.zero.comm_group import CommGroup
 from shardspeed.runtime.zero.flat_shard import FlatShard
+from shardspeed.runtime.zero.residency import FileResidency
 from shardspeed.runtime.zero.state_swap import SwapStore
 from shardspeed.zero import GatheredParameters
 from tests.runtime.parity import MLP
@@ -89,7 +90,7 @@ def test_one_rank_nvme_release_keeps_what_the_caller_holds(tmp_path: Path) -> No
     values = [p.detach().clone() for p in params]
     flat = FlatShard(params, [0, 6], 10, CommGroup.single())
     store = SwapStore(tmp_path, 0)
-    flat.offload(None, store, "unit0")
+    flat.offload(FileResidency(store, "unit0"))
     flat.release()
     assert _released(params[0])
     flat.gather()
