@@ -41,6 +41,20 @@ from shardspeed.runtime.zero.rules import check_zero_config
 from shardspeed.runtime.zero.strategy import StrategyContext, ZeroStrategy
 
 
+def refuse_unbuilt_tensor_parallelism(config: DeepSpeedConfig) -> None:
+    """``tensor_parallel.autotp_size`` > 1 asks for AutoTP training, which shardspeed does not
+    have yet: refused rather than trained as plain data parallelism without saying so."""
+    size = int(config.tensor_parallel.autotp_size)
+    if size > 1:
+        raise NotImplementedError(
+            f"tensor_parallel.autotp_size={size}: AutoTP tensor-parallel training is not built "
+            "in shardspeed yet, and training the model data parallel instead would silently "
+            "give another result; remove tensor_parallel.autotp_size (or set it to 1) to train "
+            "data parallel with ZeRO, or split the model yourself and pass its groups as an "
+            "mpu (deepspeed.initialize(mpu=...))"
+        )
+
+
 def build_topology(mpu: Any) -> ParallelTopology:
     """The job's topology (every rank calls it), made current for ``utils.groups``: the
     ``mpu``'s grid (a pipeline module's grid brings its own), else every rank data parallel.
@@ -155,6 +169,7 @@ def assemble(
     """Every part of an engine for ``model`` under ``config``."""
     checkpointer.check_config(config)
     check_zero_config(config)
+    refuse_unbuilt_tensor_parallelism(config)
     topology = build_topology(mpu)
     dp = CommGroup.of(topology.group("dp"))
     if config.expert_parallel.enabled:  # AutoEP: swap HF MoE blocks before ZeRO sees the model

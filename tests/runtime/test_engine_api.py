@@ -219,6 +219,20 @@ def test_initialize_rejects_a_model_passed_as_args():
         shardspeed.initialize(MLP())
 
 
+@pytest.mark.parametrize("size", [2, 4])
+def test_tensor_parallel_training_is_refused_until_built(size: int) -> None:
+    """``tensor_parallel.autotp_size`` > 1 is never silently trained as data parallelism."""
+    config = {"train_micro_batch_size_per_gpu": 1, "tensor_parallel": {"autotp_size": size}}
+    with pytest.raises(NotImplementedError, match=f"autotp_size={size}: AutoTP"):
+        shardspeed.initialize(model=MLP(), config=config)
+
+
+def test_tensor_parallel_size_one_trains() -> None:
+    config = {"train_micro_batch_size_per_gpu": 1, "tensor_parallel": {"autotp_size": 1}}
+    engine, *_ = shardspeed.initialize(model=MLP(), config=config)
+    assert engine.dp_world_size == 1
+
+
 def test_on_device_meta_allocates_nothing():
     with shardspeed.OnDevice(dtype=torch.float16, device="meta"):
         layer = torch.nn.Linear(1024, 1024)
