@@ -20,10 +20,10 @@ from shardspeed.inference.parallel_layers import (
     VocabParallelEmbedding,
     VocabParallelHead,
 )
-from shardspeed.inference.partition import Slice
 from shardspeed.inference.tp_group import TPGroup
 from shardspeed.inference.tp_plan import LinearRule, ShardPlan, weight_of
 from shardspeed.inference.weight_source import WeightSource
+from shardspeed.runtime.tensor_parallel.partition import Slice
 
 __all__ = ["apply_plan"]
 

@@ -22,7 +22,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from shardspeed.inference.partition import HeadLayout, Slice, split_range
+from shardspeed.runtime.tensor_parallel.partition import HeadLayout, Slice, split_range
 
 __all__ = ["LinearRule", "ShardPlan", "build_plan", "is_linear", "linear_shape", "weight_of"]
 

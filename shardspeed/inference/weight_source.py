@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from shardspeed.inference.partition import Slice
+from shardspeed.runtime.tensor_parallel.partition import Slice
 
 __all__ = [
     "ModuleWeights",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardspeed.inference.partition import HeadLayout, Slice, split_range
+from shardspeed.runtime.tensor_parallel.partition import HeadLayout, Slice, split_range
 
 
 def test_split_range_covers_the_size_in_grain_multiples():
