@@ -69,6 +69,8 @@ class ParallelTopology:
         self._experts: dict[tuple[int, bool], Mesh] = {}
         #: the model-parallel unit this grid came from (``utils.groups.get_mpu``), if any
         self.mpu: Any = None
+        #: the axes whose groups that unit lends (they exist even with one rank on them)
+        self.lent_axes: frozenset[str] = frozenset()
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -144,6 +146,7 @@ class ParallelTopology:
                 )
             table[place] = rank
         topology = cls.from_table(table)
+        topology.lent_axes = frozenset(name for name, query in axes.items() if query is not None)
         registry = group_registry()
         for name, query in axes.items():
             if query is None or sizes[name] == 1:
@@ -191,7 +194,7 @@ class ParallelTopology:
         view = ParallelTopology(
             self.mesh.reshape(AXES, (s["pp"], dp // shard, shard, s["sp"], s["tp"]))
         )
-        view.mpu = self.mpu
+        view.mpu, view.lent_axes = self.mpu, self.lent_axes
         return view
 
     def expert_mesh(self, ep_size: int, data_before_expert: bool = False) -> Mesh:

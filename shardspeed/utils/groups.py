@@ -71,20 +71,11 @@ def _get_data_parallel_rank() -> int:
     return current_topology().local_rank("dp")
 
 
-#: the mpu getters that give each axis a group of its own
-_MPU_GROUPS = {
-    "tp": ("tensor_model_parallel", "slice_parallel", "model_parallel"),
-    "sp": ("sequence_parallel",),
-}
-
-
 def _has_axis(axis: str) -> bool:
     """Whether the topology has a group for ``axis``: more than one rank on it, or an mpu
-    that names the group (of one rank)."""
+    that lends the group (of one rank)."""
     topology = current_topology()
-    return topology.size(axis) > 1 or any(
-        hasattr(topology.mpu, f"get_{name}_group") for name in _MPU_GROUPS[axis]
-    )
+    return topology.size(axis) > 1 or axis in topology.lent_axes
 
 
 def _get_model_parallel_group() -> Any:

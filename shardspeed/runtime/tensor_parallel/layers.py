@@ -15,6 +15,8 @@ take the rest), so widths need not divide by the group's size.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 
@@ -51,8 +53,30 @@ def _piece(full: torch.Tensor, dim: int, widths: tuple[int, ...], rank: int) -> 
     return full.detach().narrow(dim, start, widths[rank]).clone()
 
 
-class ColumnParallelLinear(nn.Module):
+class _SplitLinear(nn.Module):
+    """A linear whose weight is split along ``split_dim`` (0: output rows, 1: input columns)
+    over ``group``; this rank keeps its piece."""
+
+    split_dim: ClassVar[int]
+
+    def __init__(self, linear: nn.Linear, group: CommGroup, grain: int) -> None:
+        super().__init__()
+        self.group = group
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.widths = split_widths(linear.weight.shape[self.split_dim], group, grain)
+        weight = _piece(linear.weight, self.split_dim, self.widths, group.rank)
+        self.weight = _mark(nn.Parameter(weight), True)
+        self.bias: nn.Parameter | None = None
+
+    def _piece_repr(self) -> str:
+        return f"this rank: {self.widths[self.group.rank]} of {self.group.world_size} pieces"
+
+
+class ColumnParallelLinear(_SplitLinear):
     """``y = x W_r^T + b_r`` for this rank's output features ``r`` (see the module docs)."""
+
+    split_dim = 0
 
     def __init__(
         self,
@@ -62,14 +86,8 @@ class ColumnParallelLinear(nn.Module):
         gather_output: bool = False,
         grain: int = 1,
     ) -> None:
-        super().__init__()
-        self.group = group
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
+        super().__init__(linear, group, grain)
         self.gather_output = gather_output
-        self.widths = split_widths(linear.out_features, group, grain)
-        self.weight = _mark(nn.Parameter(_piece(linear.weight, 0, self.widths, group.rank)), True)
-        self.bias = None
         if linear.bias is not None:
             self.bias = _mark(nn.Parameter(_piece(linear.bias, 0, self.widths, group.rank)), True)
 
@@ -83,16 +101,17 @@ class ColumnParallelLinear(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features} "
-            f"(this rank: {self.widths[self.group.rank]} of {self.group.world_size} pieces), "
-            f"gather_output={self.gather_output}"
+            f"({self._piece_repr()}), gather_output={self.gather_output}"
         )
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_SplitLinear):
     """``y = sum_r x_r W_r^T + b`` over the ranks' input features ``r`` (see the module docs).
 
     ``input_is_parallel``: the input is already this rank's features (a column-parallel
     linear's output); otherwise the whole input is given and this rank takes its piece."""
+
+    split_dim = 1
 
     def __init__(
         self,
@@ -102,14 +121,8 @@ class RowParallelLinear(nn.Module):
         input_is_parallel: bool = True,
         grain: int = 1,
     ) -> None:
-        super().__init__()
-        self.group = group
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
+        super().__init__(linear, group, grain)
         self.input_is_parallel = input_is_parallel
-        self.widths = split_widths(linear.in_features, group, grain)
-        self.weight = _mark(nn.Parameter(_piece(linear.weight, 1, self.widths, group.rank)), True)
-        self.bias = None
         if linear.bias is not None:
             self.bias = _mark(nn.Parameter(linear.bias.detach().clone()), False)
 
@@ -121,7 +134,6 @@ class RowParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (
-            f"in_features={self.in_features} "
-            f"(this rank: {self.widths[self.group.rank]} of {self.group.world_size} pieces), "
+            f"in_features={self.in_features} ({self._piece_repr()}), "
             f"out_features={self.out_features}, input_is_parallel={self.input_is_parallel}"
         )

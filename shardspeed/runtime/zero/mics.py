@@ -43,5 +43,7 @@ def mics_comm(topology: ParallelTopology, shard_size: int) -> CommGroup:
 def mics_process_group(shard_size: int, mpu: object = None) -> comm.ProcessGroup | None:
     """This rank's MiCS shard process group (``zero.MiCS_Init`` partitions over it): within the
     data-parallel axis of ``mpu``'s grid, else of the job's topology."""
-    topology = current_topology() if mpu is None else ParallelTopology.from_mpu(mpu)
+    topology = current_topology()
+    if mpu is not None and topology.mpu is not mpu:
+        topology = ParallelTopology.from_mpu(mpu)
     return _sharded(topology, shard_size).group("dp_shard")
