@@ -34,6 +34,8 @@ _LAZY: dict[str, str] = {
     "DeepSpeedConfig": "shardspeed.runtime.config",
     "DeepSpeedConfigError": "shardspeed.config.errors",
     "OnDevice": "shardspeed.utils.init_on_device",
+    "tp_model_init": "shardspeed.runtime.tensor_parallel.legacy",
+    "set_autotp_mode": "shardspeed.runtime.tensor_parallel.legacy",
     "comm": "shardspeed.comm",
     "checkpointing": "shardspeed.checkpointing",
     "accelerator": "shardspeed.accelerator",
@@ -51,6 +53,7 @@ _LAZY: dict[str, str] = {
     "moe": "shardspeed.moe",
     "sequence": "shardspeed.sequence",
     "elasticity": "shardspeed.elasticity",
+    "module_inject": "shardspeed.module_inject",
 }
 
 __all__ = [
