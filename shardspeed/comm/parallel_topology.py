@@ -184,6 +184,18 @@ class ParallelTopology:
         """This rank's process group along ``axes`` (None: the world group)."""
         return self.mesh.group(*_expand(axes))
 
+    def tensor_replica_group(self, size: int) -> Any:
+        """This rank's group of ``size`` consecutive tensor-parallel ranks (those holding the
+        same copy of a key/value head when there are fewer heads than ranks)."""
+        s = self.sizes
+        if size < 1 or s["tp"] % size:
+            raise ValueError(f"{size} does not divide the tensor-parallel size {s['tp']}")
+        names = ("pp", "dp_replicate", "dp_shard", "sp", "tp_outer", "tp_inner")
+        view = self.mesh.reshape(
+            names, (s["pp"], s["dp_replicate"], s["dp_shard"], s["sp"], s["tp"] // size, size)
+        )
+        return view.group("tp_inner")
+
     # ------------------------------------------------------------------ views
     def with_dp_shard(self, shard: int) -> ParallelTopology:
         """The same ranks with ZeRO state sharded within groups of ``shard`` consecutive

@@ -28,6 +28,7 @@ from shardspeed.runtime.optimizer_setup import build_basic_optimizer, build_lr_s
 from shardspeed.runtime.precision.autocast import init_autocast_params
 from shardspeed.runtime.precision.loss_scaler import loss_scaler_for_policy
 from shardspeed.runtime.precision.policy import PrecisionPolicy
+from shardspeed.runtime.tensor_parallel.apply import TensorParallelModel, apply_tensor_parallel
 from shardspeed.runtime.train_state import TrainState
 from shardspeed.runtime.zero.comm_group import CommGroup
 from shardspeed.runtime.zero.grad_norm import GradNormReducer
@@ -41,32 +42,84 @@ from shardspeed.runtime.zero.rules import check_zero_config
 from shardspeed.runtime.zero.strategy import StrategyContext, ZeroStrategy
 
 
-def refuse_unbuilt_tensor_parallelism(config: DeepSpeedConfig) -> None:
-    """``tensor_parallel.autotp_size`` > 1 asks for AutoTP training, which shardspeed does not
-    have yet: refused rather than trained as plain data parallelism without saying so."""
-    size = int(config.tensor_parallel.autotp_size)
-    if size > 1:
+def autotp_size(config: DeepSpeedConfig) -> int:
+    """The AutoTP training degree the config asks for (1: none)."""
+    return max(int(config.tensor_parallel.autotp_size), 1)
+
+
+def check_tensor_parallel(config: DeepSpeedConfig, model: nn.Module, mpu: Any) -> None:
+    """What AutoTP training does not combine with, refused before anything is split."""
+    size = autotp_size(config)
+    if size == 1:
+        return
+    if getattr(mpu, "parallel_topology", None) is not None:
         raise NotImplementedError(
-            f"tensor_parallel.autotp_size={size}: AutoTP tensor-parallel training is not built "
-            "in shardspeed yet, and training the model data parallel instead would silently "
-            "give another result; remove tensor_parallel.autotp_size (or set it to 1) to train "
-            "data parallel with ZeRO, or split the model yourself and pass its groups as an "
-            "mpu (deepspeed.initialize(mpu=...))"
+            f"tensor_parallel.autotp_size={size} with a PipelineModule: tensor parallelism "
+            "inside pipeline stages is not built in shardspeed; remove autotp_size or train "
+            "without pipeline stages"
+        )
+    if config.expert_parallel.enabled:
+        raise ValueError(
+            f"expert_parallel (AutoEP) cannot be combined with tensor_parallel.autotp_size="
+            f"{size} (as in DeepSpeed); remove one of them"
+        )
+    if any(hasattr(p, "ds_id") for p in model.parameters()):
+        raise NotImplementedError(
+            f"tensor_parallel.autotp_size={size} with a model built under zero.Init: AutoTP "
+            "splits whole weights, which zero.Init has already partitioned; build the model "
+            "outside zero.Init (ZeRO-3 still shards every tensor-parallel piece over the "
+            "data-parallel ranks at initialize)"
         )
 
 
-def build_topology(mpu: Any) -> ParallelTopology:
+def _autotp_specs(config: DeepSpeedConfig, model: nn.Module) -> Any:
+    """The layer specs of ``partition_config`` / ``preset_model`` (None: neither is set)."""
+    tp = config.tensor_parallel
+    if tp.partition_config is None and tp.preset_model is None:
+        return None
+    from shardspeed.runtime.tensor_parallel.specs import resolve_autotp_config
+
+    model_config = getattr(model, "config", None)
+    return resolve_autotp_config(
+        tp.partition_config, tp.preset_model, getattr(model_config, "model_type", None)
+    )
+
+
+def split_tensor_parallel(
+    config: DeepSpeedConfig, model: nn.Module, topology: ParallelTopology
+) -> TensorParallelModel | None:
+    """AutoTP training: ``model`` split over the topology's tensor-parallel group."""
+    if autotp_size(config) == 1:
+        return None
+    return apply_tensor_parallel(
+        model,
+        topology,
+        grain=int(config.tensor_parallel.tensor_parallel.tp_grain_size),
+        specs=_autotp_specs(config, model),
+    )
+
+
+def build_topology(mpu: Any, tp: int = 1) -> ParallelTopology:
     """The job's topology (every rank calls it), made current for ``utils.groups``: the
-    ``mpu``'s grid (a pipeline module's grid brings its own), else every rank data parallel.
-    The current one is kept when it already describes the same grid."""
+    ``mpu``'s grid (a pipeline module's grid brings its own), else ``tp`` tensor-parallel
+    ranks (AutoTP) and data parallelism over the rest. The current one is kept when it
+    already describes the same grid."""
     current = current_topology()
     if getattr(current, "mpu", None) is mpu and (
-        mpu is not None or current.size("dp") == comm.get_world_size()
+        mpu is not None
+        or (current.size("tp") == tp and current.size("dp") * tp == comm.get_world_size())
     ):
         return current
     topology = getattr(mpu, "parallel_topology", None) if mpu is not None else None
     if topology is None:
-        topology = ParallelTopology.from_mpu(mpu) if mpu is not None else ParallelTopology.build()
+        topology = (
+            ParallelTopology.from_mpu(mpu) if mpu is not None else ParallelTopology.build(tp=tp)
+        )
+    if mpu is not None and tp > 1 and topology.size("tp") != tp:
+        raise ValueError(
+            f"tensor_parallel.autotp_size={tp} but the mpu's tensor-parallel group has "
+            f"{topology.size('tp')} ranks; make them agree (or leave autotp_size out)"
+        )
     topology.mpu = mpu
     set_current_topology(topology)
     return topology
@@ -169,8 +222,9 @@ def assemble(
     """Every part of an engine for ``model`` under ``config``."""
     checkpointer.check_config(config)
     check_zero_config(config)
-    refuse_unbuilt_tensor_parallelism(config)
-    topology = build_topology(mpu)
+    check_tensor_parallel(config, model, mpu)
+    topology = build_topology(mpu, autotp_size(config))
+    tensor_parallel = split_tensor_parallel(config, model, topology)
     dp = CommGroup.of(topology.group("dp"))
     if config.expert_parallel.enabled:  # AutoEP: swap HF MoE blocks before ZeRO sees the model
         apply_autoep(
@@ -227,6 +281,7 @@ def assemble(
         ),
         state=state,
         topology=topology,
+        tensor_parallel=tensor_parallel,
         args=args,
         mpu=mpu,
         collate_fn=collate_fn,

@@ -95,6 +95,8 @@ class DeepSpeedEngine(EngineQueries, EngineStateVerbs, ModuleAttributes, nn.Modu
         self.global_rank = parts.global_rank
         if parts.topology is not None:
             self.topology = parts.topology
+        #: what AutoTP training split (None without ``tensor_parallel.autotp_size``)
+        self.tensor_parallel = parts.tensor_parallel
         self.strategy = parts.strategy
         self.basic_optimizer = parts.basic_optimizer
         self.optimizer: ZeroOptimizer | None = parts.optimizer

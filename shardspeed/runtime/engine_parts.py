@@ -70,6 +70,8 @@ class EngineParts:
     state: TrainState
     #: the rank grid, when shardspeed built it (None when ``mpu`` gave the groups)
     topology: Any = None
+    #: what AutoTP training split (None without ``tensor_parallel.autotp_size``)
+    tensor_parallel: Any = None
     args: Any = None
     mpu: Any = None
     collate_fn: Any = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from shardspeed import comm
@@ -14,6 +15,7 @@ from shardspeed.runtime.engine import DeepSpeedEngine
 from shardspeed.runtime.pipe import assembly as pipe_assembly
 from shardspeed.runtime.pipe.engine import PipelineEngine
 from shardspeed.runtime.pipe.module import PipelineModule
+from shardspeed.runtime.tensor_parallel.legacy import MODEL_ATTRIBUTE, merge_tp_settings
 from shardspeed.utils.logging import log_dist, warning_once
 from shardspeed.version import __git_branch__, __git_hash__, __version__
 
@@ -52,6 +54,33 @@ def _config_source(args: Any, config: Any, config_params: Any) -> Any:
             f"the DeepSpeed config was given twice ({' and '.join(present)}); pass only one"
         )
     return given[present[0]]
+
+
+def _autotp_size(config: DeepSpeedConfig, model: nn.Module, mpu: Any) -> int:
+    """The AutoTP training degree: the config's ``tensor_parallel.autotp_size`` merged with
+    what ``tp_model_init`` recorded on ``model`` (conflicts are errors)."""
+    dtype = (
+        torch.bfloat16 if config.bf16.enabled else torch.float16 if config.fp16.enabled else None
+    )
+    record = getattr(model, MODEL_ATTRIBUTE, None)
+    merged = merge_tp_settings(int(config.tensor_parallel.autotp_size), dtype, record, mpu)
+    if merged is None:
+        return 1
+    if merged.tp_group is not None:
+        raise NotImplementedError(
+            "tp_model_init(tp_group=...): shardspeed builds the tensor-parallel group from the "
+            "topology (consecutive ranks); leave tp_group out, or pass the groups as an mpu"
+        )
+    return merged.tp_size
+
+
+def _autotp_data_parallel(world: int, autotp: int) -> int:
+    if world % autotp:
+        raise ValueError(
+            f"tensor_parallel.autotp_size={autotp} does not divide the world size {world}; "
+            f"launch a multiple of {autotp} ranks or choose an autotp_size that divides {world}"
+        )
+    return world // autotp
 
 
 def initialize(
@@ -96,6 +125,13 @@ def initialize(
         mpu = pipe_assembly.pipeline_mpu(pipeline, mpu)
     dp_world_size = mpu.get_data_parallel_world_size() if mpu is not None else comm.get_world_size()
     ds_config = DeepSpeedConfig(source, mpu=mpu, dp_world_size=dp_world_size)
+    autotp = _autotp_size(ds_config, model, mpu)
+    if autotp > 1 and mpu is None:  # AutoTP: the batch is split over world / autotp ranks
+        ds_config = DeepSpeedConfig(
+            source, dp_world_size=_autotp_data_parallel(dp_world_size, autotp)
+        )
+    if autotp > 1:
+        ds_config.tensor_parallel.autotp_size = autotp
     if pipeline is not None:
         pipe_assembly.check_pipeline_config(ds_config, pipeline)
     parts = assemble(

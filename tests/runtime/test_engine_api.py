@@ -220,10 +220,11 @@ def test_initialize_rejects_a_model_passed_as_args():
 
 
 @pytest.mark.parametrize("size", [2, 4])
-def test_tensor_parallel_training_is_refused_until_built(size: int) -> None:
-    """``tensor_parallel.autotp_size`` > 1 is never silently trained as data parallelism."""
+def test_tensor_parallel_size_must_divide_the_world(size: int) -> None:
+    """``tensor_parallel.autotp_size`` > 1 is never silently trained as data parallelism: on
+    one rank it cannot split anything, and says so."""
     config = {"train_micro_batch_size_per_gpu": 1, "tensor_parallel": {"autotp_size": size}}
-    with pytest.raises(NotImplementedError, match=f"autotp_size={size}: AutoTP"):
+    with pytest.raises(ValueError, match=f"autotp_size={size} does not divide the world size 1"):
         shardspeed.initialize(model=MLP(), config=config)
 
 

@@ -1,4 +1,5 @@
-"""Column- and row-parallel linears for training, cut from a whole ``nn.Linear``.
+"""Column- and row-parallel linears and a vocabulary-parallel embedding for training, cut from
+whole modules.
 
 A column-parallel linear keeps this rank's rows of the weight (output features) and of the
 bias; its input is used whole by every rank, its output is this rank's features (or, with
@@ -6,15 +7,25 @@ bias; its input is used whole by every rank, its output is this rank's features 
 (input features); each rank's product is a partial sum, added over the group, and the bias
 (kept whole on every rank) is added once after the sum. The usual pair, column then row, costs
 one all-reduce forward (after the row linear) and one backward (into the column linear's input).
+A vocabulary-parallel embedding keeps this rank's rows of the table, looks up the tokens it
+holds (zeros for the others) and adds the rows over the group.
 
-Split weights are marked ``tensor_model_parallel = True`` (Megatron's mark, which the gradient
-norm reads: each rank's piece counts; unmarked parameters, such as a row-parallel bias, count
-on tensor-parallel rank 0 only). Splits are near-equal multiples of ``grain`` (the first ranks
-take the rest), so widths need not divide by the group's size.
+The modules adopt the whole module's own ``nn.Parameter`` objects, their data replaced by this
+rank's piece: an optimizer or parameter list made before the split still names them. Split
+parameters are marked ``tensor_model_parallel = True`` (Megatron's mark, which the gradient norm
+reads: each rank's piece counts; unmarked parameters, such as a row-parallel bias, count on
+tensor-parallel rank 0 only) and carry their :class:`SplitLayout` as ``tp_layout`` (what
+gathering them whole, for a 16-bit save or a checkpoint at another size, reads). By default a
+split is near-equal multiples of ``grain`` (the first ranks take the rest), so widths need not
+divide by the group's size; a layout may also give each rank explicit ranges (attention heads,
+packed sub-parameters) and give several ranks the same range (key/value heads shared by more
+ranks than there are heads): their gradients are then summed over those ranks
+(``replicas``) and the piece counts once, on the first of them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
@@ -26,10 +37,18 @@ from shardspeed.runtime.tensor_parallel.collectives import (
     reduce_from_tensor_parallel,
     split_to_tensor_parallel,
 )
-from shardspeed.runtime.tensor_parallel.partition import split_range
+from shardspeed.runtime.tensor_parallel.partition import Slice, SplitLayout, split_range
 from shardspeed.runtime.zero.comm_group import CommGroup
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "split_widths"]
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "even_layout",
+    "sum_gradient_over",
+    "split_widths",
+    "tp_layout_of",
+]
 
 
 def split_widths(total: int, group: CommGroup, grain: int = 1) -> tuple[int, ...]:
@@ -43,14 +62,61 @@ def split_widths(total: int, group: CommGroup, grain: int = 1) -> tuple[int, ...
     return tuple(stop - start for start, stop in ranges)
 
 
-def _mark(param: nn.Parameter, split: bool) -> nn.Parameter:
-    param.tensor_model_parallel = split  # type: ignore[attr-defined]
+def even_layout(shape: Sequence[int], dim: int, group: CommGroup, grain: int = 1) -> SplitLayout:
+    """``shape`` split along ``dim`` in near-equal contiguous pieces (multiples of ``grain``)."""
+    widths = split_widths(shape[dim], group, grain)
+    starts = [sum(widths[:r]) for r in range(len(widths))]
+    pieces = tuple(Slice(dim, ((s, s + w),)) for s, w in zip(starts, widths, strict=True))
+    return SplitLayout(tuple(shape), pieces)
+
+
+def sum_gradient_over(param: nn.Parameter, replicas: CommGroup | None) -> None:
+    """Sum ``param``'s gradient over ``replicas`` (ranks holding the same piece, each of whose
+    gradient has only its own heads' share) as autograd produces it."""
+    if replicas is None or not replicas.partitioned:
+        return
+
+    def _sum(grad: torch.Tensor) -> torch.Tensor:
+        out = grad.contiguous().clone()
+        replicas.all_reduce(out)
+        return out
+
+    param.register_hook(_sum)
+
+
+def _adopt(param: torch.Tensor, layout: SplitLayout, rank: int) -> nn.Parameter:
+    """``param`` (whole, or already split by this layout: a tied weight) as this rank's piece."""
+    if not isinstance(param, nn.Parameter):
+        raise TypeError(f"AutoTP splits parameters; got a {type(param).__name__}")
+    if getattr(param, "tp_layout", None) == layout:
+        return param
+    with torch.no_grad():
+        param.data = layout.take(param.data, rank).contiguous().clone()
+    param.tensor_model_parallel = True  # type: ignore[attr-defined]
+    param.tp_layout = layout  # type: ignore[attr-defined]
+    replicas = next(s for s in layout.replica_sets() if rank in s)
+    param.tp_duplicate = replicas[0] != rank  # type: ignore[attr-defined]
     return param
 
 
-def _piece(full: torch.Tensor, dim: int, widths: tuple[int, ...], rank: int) -> torch.Tensor:
-    start = sum(widths[:rank])
-    return full.detach().narrow(dim, start, widths[rank]).clone()
+def tp_layout_of(param: torch.Tensor) -> SplitLayout | None:
+    """The split AutoTP made of ``param`` (None: held whole)."""
+    layout = getattr(param, "tp_layout", None)
+    return layout if isinstance(layout, SplitLayout) else None
+
+
+def _bias_layout(layout: SplitLayout) -> SplitLayout:
+    return SplitLayout((layout.full_shape[0],), tuple(p.on_dim(0) for p in layout.pieces))
+
+
+def _contiguous(layout: SplitLayout) -> bool:
+    """Each rank one range, in rank order, together the whole dimension."""
+    end = 0
+    for piece in layout.pieces:
+        if len(piece.pieces) != 1 or piece.pieces[0][0] != end:
+            return False
+        end = piece.pieces[0][1]
+    return end == layout.full_shape[layout.dim]
 
 
 class _SplitLinear(nn.Module):
@@ -59,14 +125,34 @@ class _SplitLinear(nn.Module):
 
     split_dim: ClassVar[int]
 
-    def __init__(self, linear: nn.Linear, group: CommGroup, grain: int) -> None:
+    def __init__(
+        self,
+        linear: nn.Linear,
+        group: CommGroup,
+        layout: SplitLayout | None,
+        grain: int,
+        replicas: CommGroup | None,
+    ) -> None:
         super().__init__()
         self.group = group
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        self.widths = split_widths(linear.weight.shape[self.split_dim], group, grain)
-        weight = _piece(linear.weight, self.split_dim, self.widths, group.rank)
-        self.weight = _mark(nn.Parameter(weight), True)
+        whole = (linear.out_features, linear.in_features)
+        if layout is None:
+            layout = even_layout(whole, self.split_dim, group, grain)
+        if layout.full_shape != whole or layout.dim != self.split_dim:
+            raise ValueError(
+                f"a split of shape {layout.full_shape} along dim {layout.dim} does not fit a "
+                f"linear of weight shape {whole} split along dim {self.split_dim}"
+            )
+        if len(layout.pieces) != group.world_size:
+            raise ValueError(
+                f"a split into {len(layout.pieces)} pieces for {group.world_size} ranks"
+            )
+        self.layout = layout
+        self.widths = tuple(piece.size for piece in layout.pieces)
+        self.weight = _adopt(linear.weight, layout, group.rank)
+        sum_gradient_over(self.weight, replicas)
         self.bias: nn.Parameter | None = None
 
     def _piece_repr(self) -> str:
@@ -85,11 +171,19 @@ class ColumnParallelLinear(_SplitLinear):
         *,
         gather_output: bool = False,
         grain: int = 1,
+        layout: SplitLayout | None = None,
+        replicas: CommGroup | None = None,
     ) -> None:
-        super().__init__(linear, group, grain)
+        super().__init__(linear, group, layout, grain, replicas)
+        if gather_output and not _contiguous(self.layout):
+            raise ValueError(
+                "gather_output needs each rank to hold one contiguous range of the output "
+                "features in rank order; this split gives some ranks several ranges or the same one"
+            )
         self.gather_output = gather_output
         if linear.bias is not None:
-            self.bias = _mark(nn.Parameter(_piece(linear.bias, 0, self.widths, group.rank)), True)
+            self.bias = _adopt(linear.bias, _bias_layout(self.layout), group.rank)
+            sum_gradient_over(self.bias, replicas)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = copy_to_tensor_parallel(x, self.group)
@@ -120,11 +214,18 @@ class RowParallelLinear(_SplitLinear):
         *,
         input_is_parallel: bool = True,
         grain: int = 1,
+        layout: SplitLayout | None = None,
     ) -> None:
-        super().__init__(linear, group, grain)
+        super().__init__(linear, group, layout, grain, None)
+        if not input_is_parallel and not _contiguous(self.layout):
+            raise ValueError(
+                "a row-parallel linear taking the whole input needs contiguous input ranges "
+                "in rank order"
+            )
         self.input_is_parallel = input_is_parallel
         if linear.bias is not None:
-            self.bias = _mark(nn.Parameter(linear.bias.detach().clone()), False)
+            self.bias = linear.bias
+            self.bias.tensor_model_parallel = False  # type: ignore[attr-defined]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
@@ -136,4 +237,42 @@ class RowParallelLinear(_SplitLinear):
         return (
             f"in_features={self.in_features} ({self._piece_repr()}), "
             f"out_features={self.out_features}, input_is_parallel={self.input_is_parallel}"
+        )
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An embedding table split by rows (tokens) over ``group``: each rank looks up the tokens
+    in its range, zeros for the others, and the rows are added over the group (one all-reduce
+    forward; each rank's gradient is its rows')."""
+
+    def __init__(self, embedding: nn.Embedding, group: CommGroup, grain: int = 1) -> None:
+        super().__init__()
+        if embedding.max_norm is not None or embedding.sparse:
+            raise ValueError(
+                "a vocabulary-parallel embedding does not support max_norm or sparse=True; "
+                "keep this embedding replicated (a partition_config spec with "
+                "partition_type 'skip')"
+            )
+        self.group = group
+        self.num_embeddings = embedding.num_embeddings
+        self.embedding_dim = embedding.embedding_dim
+        self.layout = even_layout(tuple(embedding.weight.shape), 0, group, grain)
+        self.weight = _adopt(embedding.weight, self.layout, group.rank)
+        ((self.start, self.stop),) = self.layout.pieces[group.rank].pieces
+        pad = embedding.padding_idx
+        self.padding_idx = (
+            pad - self.start if pad is not None and self.start <= pad < self.stop else None
+        )
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.start) | (ids >= self.stop)
+        local = (ids - self.start).masked_fill(outside, 0)
+        rows = nn.functional.embedding(local, self.weight, self.padding_idx)
+        rows = rows.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_parallel(rows, self.group)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim} (this rank: rows "
+            f"{self.start}..{self.stop} of {self.group.world_size} pieces)"
         )

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["HeadLayout", "Slice", "split_range"]
+__all__ = ["HeadLayout", "Slice", "SplitLayout", "split_range"]
 
 
 @dataclass(frozen=True)
@@ -129,3 +129,51 @@ class HeadLayout:
 
     def _heads(self, first: int, count: int, dim: int) -> Slice:
         return Slice(dim, ((first * self.head_dim, (first + count) * self.head_dim),))
+
+
+@dataclass(frozen=True)
+class SplitLayout:
+    """How one tensor is split over a tensor-parallel group: its whole shape and every rank's
+    :class:`Slice` of it, in rank order. Ranks may hold the same slice (key/value heads
+    replicated when there are fewer of them than ranks)."""
+
+    full_shape: tuple[int, ...]
+    pieces: tuple[Slice, ...]
+
+    @property
+    def dim(self) -> int:
+        return self.pieces[0].dim
+
+    def local_shape(self, rank: int) -> tuple[int, ...]:
+        shape = list(self.full_shape)
+        shape[self.dim] = self.pieces[rank].size
+        return tuple(shape)
+
+    def take(self, full: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s piece of the whole tensor ``full``."""
+        if tuple(full.shape) != self.full_shape:
+            raise ValueError(
+                f"a tensor of shape {tuple(full.shape)} where the split layout expects the "
+                f"whole shape {self.full_shape}"
+            )
+        return self.pieces[rank].take(full)
+
+    def assemble(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """The whole tensor from every rank's piece (``parts[r]``: rank ``r``'s)."""
+        full = parts[0].new_empty(self.full_shape)
+        for piece, part in zip(self.pieces, parts, strict=True):
+            offset = 0
+            for start, stop in piece.pieces:
+                full.narrow(self.dim, start, stop - start).copy_(
+                    part.narrow(self.dim, offset, stop - start)
+                )
+                offset += stop - start
+        return full
+
+    def replica_sets(self) -> list[list[int]]:
+        """Ranks holding the same slice, grouped (one list per distinct slice, in rank
+        order); all singletons when every rank holds its own."""
+        groups: dict[Slice, list[int]] = {}
+        for rank, piece in enumerate(self.pieces):
+            groups.setdefault(piece, []).append(rank)
+        return list(groups.values())

@@ -45,10 +45,15 @@ def model_parallel_comm(topology: ParallelTopology) -> CommGroup | None:
 
 
 def tensor_parallel_duplicates(model: nn.Module, topology: ParallelTopology) -> list[nn.Parameter]:
-    """The parameters this rank holds whole but another tensor-parallel rank (rank 0) counts."""
-    if topology.local_rank("tp") == 0:
-        return []
-    return [p for p in model.parameters() if not is_model_parallel_parameter(p)]
+    """The parameters this rank holds but another tensor-parallel rank counts: those held
+    whole (counted on rank 0) and pieces several ranks hold (a key/value head shared by more
+    ranks than there are heads, marked ``tp_duplicate``: counted on the first of them)."""
+    first = topology.local_rank("tp") == 0
+    return [
+        p
+        for p in model.parameters()
+        if getattr(p, "tp_duplicate", False) or (not first and not is_model_parallel_parameter(p))
+    ]
 
 
 def uncounted_squares(strategy: ZeroStrategy, params: Sequence[torch.Tensor]) -> list[GradSquares]:

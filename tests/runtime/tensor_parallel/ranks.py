@@ -3,6 +3,7 @@ same whole layers, compared with the whole layers in every rank's process."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -20,15 +21,20 @@ def _piece(full: torch.Tensor, dim: int, widths: tuple[int, ...], rank: int) -> 
     return full.narrow(dim, sum(widths[:rank]), widths[rank])
 
 
+def _copy(linear: nn.Linear) -> nn.Linear:
+    return copy.deepcopy(linear)
+
+
 def layers_equal_the_whole_layers() -> dict[str, Any]:
     """An MLP (column, gelu, row), a gathered column and a row on a whole input: outputs and
     every gradient equal the whole layers' (this rank's piece of them)."""
     group = CommGroup.of(None)
     torch.manual_seed(0)
     fc1, fc2, head = nn.Linear(8, 6), nn.Linear(6, 5), nn.Linear(8, 6)
-    col, row = ColumnParallelLinear(fc1, group), RowParallelLinear(fc2, group)
-    gathered = ColumnParallelLinear(head, group, gather_output=True)
-    whole_in = RowParallelLinear(fc2, group, input_is_parallel=False)
+    # the parallel layers adopt the whole layers' parameters (split in place): cut copies
+    col, row = ColumnParallelLinear(_copy(fc1), group), RowParallelLinear(_copy(fc2), group)
+    gathered = ColumnParallelLinear(_copy(head), group, gather_output=True)
+    whole_in = RowParallelLinear(_copy(fc2), group, input_is_parallel=False)
     x = torch.randn(3, 8, requires_grad=True)
     mine = x.detach().clone().requires_grad_(True)
 

@@ -1,0 +1,158 @@
+"""AutoTP training: a whole model split over the topology's tensor-parallel group, in place.
+
+:func:`apply_tensor_parallel` (called by ``initialize`` before ZeRO sees the model) makes every
+rank of a tensor-parallel group start from the same whole weights and random state (rank 0 of
+the group's), plans the split (:mod:`.plan`), replaces the planned modules by their parallel
+forms (which adopt the original parameters, split in place) and sets the attention modules'
+head counts to this rank's. ZeRO then shards each rank's pieces over the data-parallel group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardspeed.accelerator import get_accelerator
+from shardspeed.comm.parallel_topology import ParallelTopology
+from shardspeed.inference.tp_plan import linear_shape, weight_of
+from shardspeed.runtime.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    sum_gradient_over,
+)
+from shardspeed.runtime.tensor_parallel.partition import SplitLayout
+from shardspeed.runtime.tensor_parallel.plan import TrainingPlan, build_training_plan
+from shardspeed.runtime.zero.comm_group import CommGroup
+
+__all__ = ["TensorParallelModel", "apply_tensor_parallel"]
+
+
+@dataclass
+class TensorParallelModel:
+    """What :func:`apply_tensor_parallel` did: the group and the plan it followed."""
+
+    group: CommGroup
+    plan: TrainingPlan
+
+
+def _broadcast(tensor: torch.Tensor, group: CommGroup, device: torch.device) -> None:
+    """``tensor`` in place from the group's rank 0 (through ``device``: NCCL has no host
+    tensors)."""
+    moved = tensor.detach().to(device)
+    group.broadcast(moved)
+    if moved is not tensor:
+        with torch.no_grad():
+            tensor.copy_(moved.to(tensor.device))
+
+
+def _agree_on_start(model: nn.Module, group: CommGroup, device: torch.device) -> None:
+    """Every rank of ``group`` takes rank 0's whole weights, buffers and random state: the
+    pieces must come from one model, and dropout outside split regions must draw the same."""
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if tensor.is_meta:
+            raise ValueError(
+                "AutoTP training needs the model's weights: a parameter is on the meta device "
+                "(load or initialise the model before deepspeed.initialize)"
+            )
+        _broadcast(tensor.data, group, device)
+    state = torch.get_rng_state()
+    _broadcast(state, group, device)
+    torch.set_rng_state(state)
+    accelerator = get_accelerator()
+    if accelerator.device_name() != "cpu":
+        device_state = accelerator.get_rng_state()
+        _broadcast(device_state, group, device)
+        accelerator.set_rng_state(device_state)
+
+
+def _as_linear(module: nn.Module) -> nn.Linear:
+    """An ``nn.Linear`` view of a linear or Hugging Face ``Conv1D`` (its own parameters,
+    the weight's data transposed to the (out, in) layout)."""
+    if isinstance(module, nn.Linear):
+        return module
+    out, inp = linear_shape(module)
+    linear = nn.Linear(inp, out, bias=module.bias is not None, device="meta")
+    weight = weight_of(module)
+    with torch.no_grad():
+        weight.data = weight.data.t().contiguous()
+    linear.weight = weight  # type: ignore[assignment]
+    linear.bias = module.bias  # type: ignore[assignment]
+    return linear
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+
+
+class _Replicas:
+    """Sub-groups of the tensor-parallel group whose ranks hold the same piece (made in the
+    same order on every rank, as they are needed)."""
+
+    def __init__(self, topology: ParallelTopology) -> None:
+        self.topology = topology
+
+    def of(self, layout: SplitLayout | None, rank: int) -> CommGroup | None:
+        if layout is None:
+            return None
+        sets = layout.replica_sets()
+        size = len(sets[0])
+        if size == 1:
+            return None
+        tp = len(layout.pieces)
+        if any(s != list(range(s[0], s[0] + size)) for s in sets) or len(sets) * size != tp:
+            raise ValueError(
+                f"ranks sharing a piece must be equal blocks of consecutive tensor-parallel "
+                f"ranks, got {sets}"
+            )
+        return CommGroup.of(self.topology.tensor_replica_group(size))
+
+
+def apply_tensor_parallel(
+    model: nn.Module,
+    topology: ParallelTopology,
+    *,
+    grain: int = 1,
+    specs: Any = None,
+) -> TensorParallelModel:
+    """Split ``model`` in place over ``topology``'s ``tp`` group (see the module docs)."""
+    group = CommGroup.of(topology.group("tp"))
+    device = torch.device(get_accelerator().current_device_name())
+    _agree_on_start(model, group, device)
+    plan = build_training_plan(model, group.world_size, grain=grain, specs=specs)
+    replicas = _Replicas(topology)
+    # embeddings first: a head tied to one adopts its already split weight
+    order = sorted(plan.splits.items(), key=lambda item: item[1].kind != "vocab")
+    for name, split in order:
+        module = model.get_submodule(name)
+        new: nn.Module
+        if split.kind == "vocab":
+            assert isinstance(module, nn.Embedding)
+            new = VocabParallelEmbedding(module, group)
+        elif split.kind == "column":
+            new = ColumnParallelLinear(
+                _as_linear(module),
+                group,
+                gather_output=split.gather_output,
+                layout=split.layout,
+                replicas=replicas.of(split.layout, group.rank),
+            )
+        elif split.kind == "row":
+            new = RowParallelLinear(
+                _as_linear(module),
+                group,
+                input_is_parallel=split.input_is_parallel,
+                layout=split.layout,
+            )
+        else:  # replicated, each rank's gradient a share: summed over the group
+            for param in module.parameters(recurse=False):
+                sum_gradient_over(param, group)
+            continue
+        _replace(model, name, new)
+    for name, attr, value in plan.attrs:
+        setattr(model.get_submodule(name), attr, value)
+    return TensorParallelModel(group, plan)
