@@ -9,6 +9,7 @@ head counts to this rank's. ZeRO then shards each rank's pieces over the data-pa
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +18,6 @@ from torch import nn
 
 from shardspeed.accelerator import get_accelerator
 from shardspeed.comm.parallel_topology import ParallelTopology
-from shardspeed.inference.tp_plan import linear_shape, weight_of
 from shardspeed.runtime.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -67,21 +67,6 @@ def _agree_on_start(model: nn.Module, group: CommGroup, device: torch.device) ->
         device_state = accelerator.get_rng_state()
         _broadcast(device_state, group, device)
         accelerator.set_rng_state(device_state)
-
-
-def _as_linear(module: nn.Module) -> nn.Linear:
-    """An ``nn.Linear`` view of a linear or Hugging Face ``Conv1D`` (its own parameters,
-    the weight's data transposed to the (out, in) layout)."""
-    if isinstance(module, nn.Linear):
-        return module
-    out, inp = linear_shape(module)
-    linear = nn.Linear(inp, out, bias=module.bias is not None, device="meta")
-    weight = weight_of(module)
-    with torch.no_grad():
-        weight.data = weight.data.t().contiguous()
-    linear.weight = weight  # type: ignore[assignment]
-    linear.bias = module.bias  # type: ignore[assignment]
-    return linear
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -135,7 +120,7 @@ def apply_tensor_parallel(
             new = VocabParallelEmbedding(module, group)
         elif split.kind == "column":
             new = ColumnParallelLinear(
-                _as_linear(module),
+                module,
                 group,
                 gather_output=split.gather_output,
                 layout=split.layout,
@@ -143,7 +128,7 @@ def apply_tensor_parallel(
             )
         elif split.kind == "row":
             new = RowParallelLinear(
-                _as_linear(module),
+                module,
                 group,
                 input_is_parallel=split.input_is_parallel,
                 layout=split.layout,
@@ -155,4 +140,16 @@ def apply_tensor_parallel(
         _replace(model, name, new)
     for name, attr, value in plan.attrs:
         setattr(model.get_submodule(name), attr, value)
+    for name in plan.local_configs:
+        _localise_config(model.get_submodule(name), plan)
     return TensorParallelModel(group, plan)
+
+
+def _localise_config(module: nn.Module, plan: TrainingPlan) -> None:
+    """A copy of ``module.config`` with this rank's head counts (Phi-3's attention reads
+    ``config.num_attention_heads`` to cut its fused projection)."""
+    config = copy.copy(module.config)
+    for attr, value in plan.head_counts.items():
+        if isinstance(getattr(config, attr, None), int):
+            setattr(config, attr, value)
+    module.config = config

@@ -105,6 +105,11 @@ def tp_layout_of(param: torch.Tensor) -> SplitLayout | None:
     return layout if isinstance(layout, SplitLayout) else None
 
 
+def _transposed(layout: SplitLayout) -> SplitLayout:
+    shape = tuple(reversed(layout.full_shape))
+    return SplitLayout(shape, tuple(p.on_dim(1 - p.dim) for p in layout.pieces))
+
+
 def _bias_layout(layout: SplitLayout) -> SplitLayout:
     return SplitLayout((layout.full_shape[0],), tuple(p.on_dim(0) for p in layout.pieces))
 
@@ -127,7 +132,7 @@ class _SplitLinear(nn.Module):
 
     def __init__(
         self,
-        linear: nn.Linear,
+        linear: nn.Module,
         group: CommGroup,
         layout: SplitLayout | None,
         grain: int,
@@ -135,9 +140,17 @@ class _SplitLinear(nn.Module):
     ) -> None:
         super().__init__()
         self.group = group
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
-        whole = (linear.out_features, linear.in_features)
+        weight = linear.weight
+        if not isinstance(weight, nn.Parameter) or weight.dim() != 2:
+            raise TypeError(f"{type(linear).__name__} has no 2-d weight parameter to split")
+        # Hugging Face's Conv1D keeps its weight (in, out): split and stored that way, so its
+        # state-dict shapes stay the model's own
+        self.transposed = type(linear).__name__ == "Conv1D" and hasattr(linear, "nf")
+        existing = tp_layout_of(weight)  # a tied weight another module split already
+        shape = existing.full_shape if existing is not None else tuple(weight.shape)
+        out, inp = shape[::-1] if self.transposed else shape
+        self.in_features, self.out_features = int(inp), int(out)
+        whole = (self.out_features, self.in_features)
         if layout is None:
             layout = even_layout(whole, self.split_dim, group, grain)
         if layout.full_shape != whole or layout.dim != self.split_dim:
@@ -149,11 +162,16 @@ class _SplitLinear(nn.Module):
             raise ValueError(
                 f"a split into {len(layout.pieces)} pieces for {group.world_size} ranks"
             )
+        #: the split in ``nn.Linear``'s (out, in) layout; the stored weight's is ``tp_layout``
         self.layout = layout
         self.widths = tuple(piece.size for piece in layout.pieces)
-        self.weight = _adopt(linear.weight, layout, group.rank)
+        stored = _transposed(layout) if self.transposed else layout
+        self.weight = _adopt(weight, stored, group.rank)
         sum_gradient_over(self.weight, replicas)
         self.bias: nn.Parameter | None = None
+
+    def _linear_weight(self) -> torch.Tensor:
+        return self.weight.t() if self.transposed else self.weight
 
     def _piece_repr(self) -> str:
         return f"this rank: {self.widths[self.group.rank]} of {self.group.world_size} pieces"
@@ -166,7 +184,7 @@ class ColumnParallelLinear(_SplitLinear):
 
     def __init__(
         self,
-        linear: nn.Linear,
+        linear: nn.Module,
         group: CommGroup,
         *,
         gather_output: bool = False,
@@ -181,13 +199,13 @@ class ColumnParallelLinear(_SplitLinear):
                 "features in rank order; this split gives some ranks several ranges or the same one"
             )
         self.gather_output = gather_output
-        if linear.bias is not None:
+        if isinstance(linear.bias, torch.Tensor):
             self.bias = _adopt(linear.bias, _bias_layout(self.layout), group.rank)
             sum_gradient_over(self.bias, replicas)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = copy_to_tensor_parallel(x, self.group)
-        y = nn.functional.linear(x, self.weight, self.bias)
+        y = nn.functional.linear(x, self._linear_weight(), self.bias)
         if self.gather_output:
             y = gather_from_tensor_parallel(y, self.group, self.widths)
         return y
@@ -209,7 +227,7 @@ class RowParallelLinear(_SplitLinear):
 
     def __init__(
         self,
-        linear: nn.Linear,
+        linear: nn.Module,
         group: CommGroup,
         *,
         input_is_parallel: bool = True,
@@ -223,14 +241,15 @@ class RowParallelLinear(_SplitLinear):
                 "in rank order"
             )
         self.input_is_parallel = input_is_parallel
-        if linear.bias is not None:
-            self.bias = linear.bias
-            self.bias.tensor_model_parallel = False  # type: ignore[attr-defined]
+        bias = linear.bias
+        if isinstance(bias, nn.Parameter):
+            bias.tensor_model_parallel = False  # type: ignore[attr-defined]
+            self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = split_to_tensor_parallel(x, self.group, self.widths)
-        y = reduce_from_tensor_parallel(nn.functional.linear(x, self.weight), self.group)
+        y = reduce_from_tensor_parallel(nn.functional.linear(x, self._linear_weight()), self.group)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

@@ -41,6 +41,7 @@ _HF_STYLES: dict[str, tuple[Kind | None, bool, bool, int]] = {
     "colwise_rep": ("column", True, True, 1),
     "rowwise": ("row", False, True, 1),
     "rowwise_rep": ("row", False, False, 1),
+    "rowwise_split_input": ("row", False, False, 1),
     "packed_colwise": ("column", False, True, 2),
     "embedding_rowwise": ("vocab", False, True, 1),
     "replicated_with_grad_allreduce": ("grad_sum", False, True, 1),
@@ -67,6 +68,11 @@ class TrainingPlan:
     source: str = ""
     replicated: list[str] = field(default_factory=list)
     """Linears no rule splits (kept whole on every rank)."""
+    head_counts: dict[str, int] = field(default_factory=dict)
+    """This rank's ``num_attention_heads`` / ``num_key_value_heads`` (split attention only)."""
+    local_configs: list[str] = field(default_factory=list)
+    """Attention modules that read head counts from their ``config``: each gets its own copy
+    with this rank's counts (the model's config keeps the whole model's, for saving)."""
 
 
 @dataclass(frozen=True)
@@ -123,6 +129,24 @@ def _generic(name: str) -> str:
     return re.sub(r"\.\d+(\.|$)", r".*\1", name)
 
 
+def _check_shared_whole(name: str, pieces: tuple[Slice, ...]) -> None:
+    """Ranks hold the same piece or pieces with no row in common: a packed projection whose
+    key/value part several ranks share while its query part is split is refused."""
+    for i, first in enumerate(pieces):
+        rows = {r for a, b in first.pieces for r in range(a, b)}
+        for other in pieces[i + 1 :]:
+            if other == first:
+                continue
+            if any(a < b and rows & set(range(a, b)) for a, b in other.pieces):
+                raise ValueError(
+                    f"{name}: a packed projection whose key/value heads would be shared by "
+                    "several tensor-parallel ranks while its query heads are split (more ranks "
+                    "than key/value heads); choose an autotp_size no larger than the key/value "
+                    "heads, or use the model's Hugging Face tp_plan (leave out preset_model / "
+                    "partition_config)"
+                )
+
+
 class _Planner:
     def __init__(self, model: nn.Module, tp: int, grain: int) -> None:
         self.model, self.tp, self.grain = model, tp, grain
@@ -141,7 +165,6 @@ class _Planner:
         if in_attention and heads is not None:
             q_width, kv_width = heads.q * heads.dim, heads.kv * heads.dim
             if size in (q_width, kv_width):
-                self.attention.add(name.rsplit(".", 1)[0])
                 out = []
                 for r in range(self.tp):
                     layout = heads.layout(self.tp, r)
@@ -175,7 +198,22 @@ class _Planner:
                 per_rank[r].append((offset + a, offset + b))
             offset += size
         pieces = tuple(Slice(dim, tuple(ranges)) for ranges in per_rank)
+        _check_shared_whole(name, pieces)
         return SplitLayout((out, inp), pieces)
+
+    def _fused_attention_parts(self, name: str, spec: Any, length: int) -> list[int]:
+        """The packed sub-parameters of a spec's weight. "Three equal parts" of a fused q/k/v
+        projection of a grouped-query model are in fact (q, kv, kv) wide: DeepSpeed's phi3
+        preset says ``shape=(3, -1)``, which cuts keys and values in the wrong places when
+        there are fewer key/value heads than query heads."""
+        heads = self.heads
+        shape = spec.shape
+        if heads is not None and heads.q != heads.kv and shape is not None:
+            q_width, kv_width = heads.q * heads.dim, heads.kv * heads.dim
+            three = shape[spec.get_partition_dim()] == 3
+            if three and length == q_width + 2 * kv_width and _is_attention(self.parent(name)):
+                return [q_width, kv_width, kv_width]
+        return list(spec.sub_param_sizes(length))
 
     def add(
         self,
@@ -195,6 +233,8 @@ class _Planner:
                 )
             layout = self.linear_layout(name, kind, parts)
             self.plan.splits[name] = ModuleSplit(kind, layout, gather, not whole_in)
+            if kind == "column" and not gather and _is_attention(self.parent(name)):
+                self.attention.add(name.rsplit(".", 1)[0])  # it sees this rank's heads only
         elif kind == "vocab":
             if not isinstance(self.modules[name], nn.Embedding):
                 raise ValueError(f"{name} is planned vocabulary-parallel but is not an embedding")
@@ -226,7 +266,8 @@ class _Planner:
             kind_name: Kind = "column" if kind is PartitionType.COLUMN else "row"
             out, inp = linear_shape(module)
             length = out if kind_name == "column" else inp
-            self.add(name, kind_name, spec.gather_output, parts=list(spec.sub_param_sizes(length)))
+            parts = self._fused_attention_parts(name, spec, length)
+            self.add(name, kind_name, spec.gather_output, parts=parts)
         if unmatched and specs.strict_mode:
             raise ValueError(
                 f"partition_config.strict_mode: no layer spec matches the linears {unmatched}; "
@@ -261,7 +302,19 @@ class _Planner:
         self.plan.source = "tp_plan"
 
     def from_structure(self) -> None:
-        plans = [build_plan(self.model, self.tp, r, self.grain) for r in range(self.tp)]
+        linears = [n for n, m in self.modules.items() if n and is_linear(m)]
+        try:
+            plans = [build_plan(self.model, self.tp, r, self.grain) for r in range(self.tp)]
+        except ValueError as error:
+            if "found no attention or MLP block" not in str(error):
+                raise
+            raise ValueError(
+                f"AutoTP training: no rule splits {type(self.model).__name__}: it has no Hugging "
+                f"Face tp_plan and no attention or MLP block AutoTP knows; its linear layers "
+                f"are {linears[:12]}{' ...' if len(linears) > 12 else ''}. Give "
+                "tensor_parallel.partition_config layer_specs (regex patterns on parameter "
+                "names, partition_type 'column' / 'row')"
+            ) from None
         mine = plans[0]
         for name, rule in mine.linears.items():
             module = self.modules[name]
@@ -297,11 +350,18 @@ class _Planner:
                 "num_key_value_heads": kv,
                 "num_key_value_groups": q // kv,
             }
+            self.plan.head_counts = {
+                "num_attention_heads": q,
+                "num_key_value_heads": kv,
+            }
         for name in sorted(self.attention):
             module = self.modules[name]
             for attr, value in counts.items():
                 if isinstance(getattr(module, attr, None), int):
                     self.plan.attrs.append((name, attr, value))
+            config = getattr(module, "config", None)
+            if config is not None and isinstance(getattr(config, "num_attention_heads", None), int):
+                self.plan.local_configs.append(name)
 
 
 def build_training_plan(

@@ -41,6 +41,29 @@ def tiny_model(kind: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     if kind == "llama":
         return LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False))
+    if kind == "qwen3":  # q_norm / k_norm: replicated, gradients summed over the group
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        return Qwen3ForCausalLM(Qwen3Config(**common, head_dim=8, tie_word_embeddings=False))
+    if kind == "phi3":  # fused qkv_proj (q, kv, kv wide) and gate_up_proj
+        from transformers import Phi3Config, Phi3ForCausalLM
+
+        return Phi3ForCausalLM(Phi3Config(**common, pad_token_id=0, tie_word_embeddings=False))
+    if kind == "gpt2":  # no Hugging Face plan: the structural rules; Conv1D; dropout
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        return GPT2LMHeadModel(
+            GPT2Config(
+                vocab_size=VOCAB,
+                n_positions=SEQ,
+                n_embd=32,
+                n_layer=2,
+                n_head=4,
+                attn_pdrop=0.0,
+                resid_pdrop=0.1,
+                embd_pdrop=0.1,
+            )
+        )
     return Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=True))
 
 
@@ -70,52 +93,80 @@ def full_parameters(engine: Any) -> dict[str, torch.Tensor]:
 
 
 def train_and_compare(
-    kind: str, tp: int, stage: int, steps: int = 10, gas: int = 1, clip: float = 1.0
+    kind: str,
+    tp: int,
+    stage: int,
+    steps: int = 10,
+    gas: int = 1,
+    clip: float = 1.0,
+    extra: dict[str, Any] | None = None,
+    checkpointing: bool = False,
+    reseed: bool = False,
 ) -> dict[str, Any]:
     """``steps`` optimizer steps at ``tp`` x (world / tp) ranks and ZeRO ``stage`` against the
-    whole model in this process: the losses and the whole parameters after every step."""
+    whole model in this process: the losses and the whole parameters after every step.
+
+    ``extra``: more config (precision, offload); ``checkpointing``: Hugging Face's gradient
+    checkpointing on the split model; ``reseed``: the random state set before each forward, the
+    same for both (dropout: the split model must draw the whole model's masks)."""
     world = dist.get_world_size()
     dp = world // tp
     model = tiny_model(kind)
     reference = copy.deepcopy(model)
+    if checkpointing:
+        model.gradient_checkpointing_enable()
     ref_opt = torch.optim.AdamW(reference.parameters(), **OPT)
+    config = _config(tp, stage, gas, clip)
+    for key, value in (extra or {}).items():
+        config[key] = {**config[key], **value} if key in config else value
     engine, *_ = shardspeed.initialize(
-        model=model, model_parameters=model.parameters(), config=_config(tp, stage, gas, clip)
+        model=model, model_parameters=model.parameters(), config=config
     )
     topo = current_topology()
     assert topo.size("tp") == tp and topo.size("dp") == dp
     dp_rank = topo.local_rank("dp")
     data = batches(steps, MICRO * dp * gas)
     worst_loss = worst_param = 0.0
+    tp_losses = []
     for step in range(steps):
         rows = data[step]
         losses = []
         for micro in range(gas):
             start = (micro * dp + dp_rank) * MICRO
             mine = rows[start : start + MICRO]
+            if reseed:
+                torch.manual_seed(1000 + step * gas + micro)
             loss = engine(input_ids=mine, labels=mine).loss
             engine.backward(loss)
             engine.step()
-            losses.append(loss.detach())
+            losses.append(loss.detach().float())
         mean = torch.stack(losses).mean()
+        tp_losses.append(float(mean))
         dist.all_reduce(mean)
         mean /= world
         ref_opt.zero_grad()
         ref_total = 0.0
         for micro in range(gas):
             chunk = rows[micro * dp * MICRO : (micro + 1) * dp * MICRO]
+            if reseed:
+                torch.manual_seed(1000 + step * gas + micro)
             ref_loss = reference(input_ids=chunk, labels=chunk).loss / gas
             ref_loss.backward()
-            ref_total += float(ref_loss)
+            ref_total += float(ref_loss.detach())
         if clip:
             torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
         ref_opt.step()
         worst_loss = max(worst_loss, abs(float(mean) - ref_total) / abs(ref_total))
         got = full_parameters(engine)
         for name, want in reference.named_parameters():
-            diff = (got[name] - want.detach()).abs().max() / want.detach().abs().max()
+            diff = (got[name].float() - want.detach()).abs().max() / want.detach().abs().max()
             worst_param = max(worst_param, float(diff))
-    return {"loss": worst_loss, "param": worst_param, **held_bytes(engine.module)}
+    return {
+        "loss": worst_loss,
+        "param": worst_param,
+        "tp_losses": tp_losses,
+        **held_bytes(engine.module),
+    }
 
 
 def held_bytes(model: nn.Module) -> dict[str, Any]:
@@ -136,3 +187,8 @@ def held_bytes(model: nn.Module) -> dict[str, Any]:
 def autotp_parity_cases(cases: list[tuple[str, int, int, int]]) -> list[dict[str, Any]]:
     """Every (model, tp, stage, gas) case in this process group, one after another."""
     return [train_and_compare(kind, tp, stage, gas=gas) for kind, tp, stage, gas in cases]
+
+
+def autotp_composition_cases(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every ``train_and_compare`` keyword set in ``cases``, one after another."""
+    return [train_and_compare(**case) for case in cases]

@@ -50,3 +50,67 @@ def test_tp_with_data_parallel_zero_equals_the_whole_model(dist_pool) -> None:
         ("qwen2", 4, 3, 1),  # where DeepSpeed 0.19.8 fails (zero-row attention shards)
     ]
     _check(dist_pool(4).run(autotp_ranks.autotp_parity_cases, cases, timeout_s=580), cases, 4)
+
+
+# Every case 3 steps on TP x DP = 4 ranks, equal to the whole model (fp32) or close (16-bit).
+COMPOSITION = [
+    # dropout after the row-parallel outputs draws the whole model's masks (same random state
+    # on every tensor-parallel rank); GPT-2 has no Hugging Face plan: the structural rules,
+    # Conv1D weights kept (in, out), the head tied to a vocabulary-parallel embedding
+    dict(kind="gpt2", tp=4, stage=1, reseed=True),
+    # Qwen3's q_norm / k_norm: replicated, each rank's gradient a share, summed over the group
+    dict(kind="qwen3", tp=4, stage=3),
+    dict(kind="llama", tp=2, stage=3, checkpointing=True),
+    dict(
+        kind="llama",
+        tp=2,
+        stage=2,
+        extra={"zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
+    ),
+    # clipping hard: the norm counts key/value heads shared by two ranks once
+    dict(kind="qwen2", tp=4, stage=2, clip=0.05),
+    # Phi-3: fused qkv_proj / gate_up_proj; the Hugging Face plan gathers their outputs, the
+    # preset splits them in (q, kv, kv) and (gate, up) parts
+    dict(kind="phi3", tp=2, stage=1),
+    dict(kind="phi3", tp=2, stage=3, extra={"tensor_parallel": {"preset_model": "phi3"}}),
+    # custom specs replace the plan: only attention is split, the MLP stays whole
+    dict(
+        kind="llama",
+        tp=2,
+        stage=2,
+        extra={
+            "tensor_parallel": {
+                "partition_config": {
+                    "use_default_specs": False,
+                    "layer_specs": [
+                        {"patterns": [r".*\.o_proj\.weight$"], "partition_type": "row"},
+                        {"patterns": [r".*\.[qkv]_proj\.weight$"], "partition_type": "column"},
+                    ],
+                }
+            }
+        },
+    ),
+]
+SIXTEEN_BIT = [
+    dict(kind="llama", tp=2, stage=3, extra={"bf16": {"enabled": True}}),
+    dict(kind="qwen2", tp=2, stage=1, extra={"fp16": {"enabled": True, "initial_scale_power": 8}}),
+]
+
+
+@pytest.mark.timeout(400)
+def test_autotp_composes_with_dropout_checkpointing_offload_clipping_and_specs(dist_pool) -> None:
+    cases = [{**case, "steps": 3} for case in COMPOSITION + SIXTEEN_BIT]
+    results = dist_pool(4).run(autotp_ranks.autotp_composition_cases, cases, timeout_s=380)
+    for rank_results in results:
+        for case, got in zip(cases, rank_results, strict=True):
+            loose = case in [{**c, "steps": 3} for c in SIXTEEN_BIT]
+            # 16-bit: the reference trains in fp32; bf16 rounds the weights it updates
+            tol_loss, tol_param = (1e-3, 5e-2) if loose else (TOL, TOL)
+            assert got["loss"] < tol_loss, f"{case}: loss off by {got['loss']:.2e}"
+            assert got["param"] < tol_param, f"{case}: parameters off by {got['param']:.2e}"
+    # every tensor-parallel rank computes the same loss (the groups are ranks 0-1 / 2-3 at TP 2)
+    for index, case in enumerate(cases):
+        tp = case["tp"]
+        for start in range(0, 4, tp):
+            group = [results[r][index]["tp_losses"] for r in range(start, start + tp)]
+            assert all(losses == group[0] for losses in group), case
