@@ -25,6 +25,7 @@ ranks than there are heads): their gradients are then summed over those ranks
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import ClassVar
 
@@ -124,6 +125,28 @@ def _contiguous(layout: SplitLayout) -> bool:
     return end == layout.full_shape[layout.dim]
 
 
+#: id(input) -> (the input, weakly; its copy into the tensor-parallel region; the group). An
+#: entry lives as long as its input does (a finalizer drops it).
+_COPIES: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor, CommGroup]] = {}
+
+
+def _shared_copy(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
+    """``x`` entering the tensor-parallel region, once per tensor: column-parallel linears fed
+    the same input (q, k and v; gate and up) share one copy, so autograd adds their input
+    gradients before the one all-reduce instead of all-reducing each (3 + 2 per layer to 1 + 1).
+    """
+    if not x.requires_grad or not group.partitioned:
+        return copy_to_tensor_parallel(x, group)
+    key = id(x)
+    entry = _COPIES.get(key)
+    if entry is not None and entry[0]() is x and entry[2] == group:
+        return entry[1]
+    copied = copy_to_tensor_parallel(x, group)
+    _COPIES[key] = (weakref.ref(x), copied, group)
+    weakref.finalize(x, _COPIES.pop, key, None)
+    return copied
+
+
 class _SplitLinear(nn.Module):
     """A linear whose weight is split along ``split_dim`` (0: output rows, 1: input columns)
     over ``group``; this rank keeps its piece."""
@@ -204,7 +227,7 @@ class ColumnParallelLinear(_SplitLinear):
             sum_gradient_over(self.bias, replicas)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_tensor_parallel(x, self.group)
+        x = _shared_copy(x, self.group)
         y = nn.functional.linear(x, self._linear_weight(), self.bias)
         if self.gather_output:
             y = gather_from_tensor_parallel(y, self.group, self.widths)
