@@ -1,18 +1,20 @@
 """The HF ``Trainer`` on a tiny Llama split by AutoTP (``tensor_parallel.autotp_size`` 2 on 2
 ranks, so one data-parallel rank), against plain DDP on the same global batches.
 
-Usage: ``<launcher> trainer_autotp_cases.py OUT [--cases ddp,tp_z1,tp_z3] [--before-args]``.
-One process group serves every sub-case, in order. Each builds the tiny Llama from its config
-(same seed), trains ``MAX_STEPS`` steps, ``save_model()``s it to ``OUT/<case>/final`` and
-writes ``OUT/<case>/rank<R>.json`` (losses, the engine's class, the shapes of this rank's
+Usage: ``<launcher> trainer_autotp_cases.py OUT [--cases ddp,tp_z1,tp_z3]``.
+One process group serves every sub-case, in order. Each loads the tiny Llama built from its
+config and saved once (``OUT/init``) with ``from_pretrained``, trains ``MAX_STEPS`` steps,
+``save_model()``s it to ``OUT/<case>/final`` and writes ``OUT/<case>/rank<R>.json`` (losses, the engine's class, the shapes of this rank's
 pieces); rank 0 also writes the engine's parameters, gathered whole, to
 ``OUT/<case>/engine_params.pt`` (DDP: its own parameters).
 
 The DDP reference takes one sample per rank and micro-step, the AutoTP runs two on their one
 data-parallel rank: the same 2 samples per micro-step, 2 micro-steps per optimizer step.
 
-``--before-args``: build the model before ``TrainingArguments`` (by default after, as HF
-scripts do, so under ZeRO-3 the Trainer's DeepSpeed config is live while it is built).
+Where the model is loaded: after ``TrainingArguments``, as HF scripts do, except at ZeRO-3:
+there the Trainer's live DeepSpeed config would make ``from_pretrained`` load into
+``zero.Init`` partitions, which Transformers refuses under DeepSpeed tensor parallelism (and
+AutoTP splits whole weights), so it is loaded before.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ from hf_common import (
     deepspeed_state_on_cpu,
     ds_config,
     forget_run,
-    llama_config,
     start,
     write_json,
 )
@@ -38,8 +39,12 @@ from shardspeed import comm
 
 MAX_STEPS = 4
 TP = 2
-#: case -> ZeRO stage (None: plain DDP)
-CASES: dict[str, int | None] = {"ddp": None, "tp_z1": 1, "tp_z3": 3}
+#: case -> (ZeRO stage or None for plain DDP, load the model before TrainingArguments)
+CASES: dict[str, tuple[int | None, bool]] = {
+    "ddp": (None, False),
+    "tp_z1": (1, False),
+    "tp_z3": (3, True),
+}
 
 
 def autotp_config(stage: int) -> dict[str, Any]:
@@ -84,11 +89,10 @@ def training_args(out: Path, stage: int | None, deepspeed: Any) -> Any:
     )
 
 
-def build_model() -> Any:
+def load_model(init_dir: Path) -> Any:
     from transformers import LlamaForCausalLM
 
-    torch.manual_seed(0)
-    return LlamaForCausalLM(llama_config())
+    return LlamaForCausalLM.from_pretrained(str(init_dir))
 
 
 def whole_parameters(trainer: Any, stage: int | None) -> dict[str, torch.Tensor]:
@@ -106,16 +110,16 @@ def whole_parameters(trainer: Any, stage: int | None) -> dict[str, torch.Tensor]
     return whole_state_dict(model, local, engine.tensor_parallel.group)
 
 
-def run_case(name: str, root: Path, before_args: bool) -> dict[str, Any]:
+def run_case(name: str, root: Path, init_dir: Path) -> dict[str, Any]:
     from transformers import Trainer
 
-    stage = CASES[name]
+    stage, before_args = CASES[name]
     case_dir = root / name
     deepspeed = None if stage is None else autotp_config(stage)
-    model = build_model() if before_args else None
+    model = load_model(init_dir) if before_args else None
     args = training_args(case_dir / "run", stage, deepspeed)
     if model is None:
-        model = build_model()
+        model = load_model(init_dir)
     trainer = Trainer(model=model, args=args, train_dataset=RandomTokens())
     trainer.train()
     result: dict[str, Any] = {
@@ -139,15 +143,12 @@ def run_case(name: str, root: Path, before_args: bool) -> dict[str, Any]:
 
 
 def main() -> None:
-    opts = arguments(
-        ("--cases", {"default": ",".join(CASES)}),
-        ("--before-args", {"action": "store_true"}),
-    )
-    start(opts.out)
+    opts = arguments(("--cases", {"default": ",".join(CASES)}))
+    init_dir = start(opts.out)
     rank = comm.get_rank()
     for name in opts.cases.split(","):
         (opts.out / name).mkdir(parents=True, exist_ok=True)
-        result = run_case(name, opts.out, opts.before_args)
+        result = run_case(name, opts.out, init_dir)
         write_json(opts.out / name / f"rank{rank}.json", result)
     print(json.dumps({"rank": rank, "done": opts.cases}), flush=True)
 
