@@ -17,8 +17,9 @@ from pathlib import Path
 
 __version__ = "0.1.0"
 
-DEEPSPEED_API_VERSION = "0.16.0"
-"""The DeepSpeed release whose API shardspeed (and its compatibility package) stands in for."""
+DEEPSPEED_API_VERSION = "0.16.4"
+"""The DeepSpeed release whose API shardspeed (and its compatibility package) stands in for:
+0.16.4, the first with AutoTP training, which Accelerate requires for ``autotp_size``."""
 
 
 def _int_parts(version: str) -> tuple[int, int, int]:

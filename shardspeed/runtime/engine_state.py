@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Container
 from typing import Any
 
+from shardspeed.runtime.tensor_parallel.gather import whole_state_dict
 from shardspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
 from shardspeed.runtime.zero.strategy import ZeroStrategy
 
@@ -19,6 +20,8 @@ class EngineStateVerbs:
     """Module state, gathered weights, partition cache and offloaded states of an engine."""
 
     strategy: ZeroStrategy
+    #: what AutoTP training split (None without ``tensor_parallel.autotp_size``)
+    tensor_parallel: Any
 
     def module_state_dict(
         self,
@@ -47,9 +50,34 @@ class EngineStateVerbs:
     def _zero3_consolidated_16bit_state_dict(
         self, exclude_frozen_parameters: bool = False
     ) -> dict[str, Any]:
-        """The whole module's weights in their training dtype, gathered (every rank calls it;
-        DeepSpeed's name, which Accelerate and the HF Trainer call to save a ZeRO-3 model)."""
-        return self.strategy.full_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
+        """The whole module's weights in their training dtype, gathered over the ZeRO-3
+        partitions and the tensor-parallel pieces (every rank calls it and gets them; DeepSpeed's
+        name, which Accelerate and the HF Trainer call to save a ZeRO-3 model)."""
+        state = self.strategy.full_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
+        return self.whole_tensor_parallel(state)
+
+    def _consolidated_16bit_state_dict(
+        self, exclude_frozen_parameters: bool = False
+    ) -> dict[str, Any]:
+        """The whole module's weights in their training dtype when they are split (ZeRO-3 or
+        AutoTP; every rank calls it): what Accelerate's ``get_state_dict`` saves under
+        ``tensor_parallel.autotp_size``. Raises ValueError when nothing is split, as DeepSpeed
+        does (the module's own ``state_dict()`` is whole then)."""
+        if self.tensor_parallel is None and self.strategy.stage < 3:
+            raise ValueError(
+                "_consolidated_16bit_state_dict is only for weights split over ranks (ZeRO "
+                "stage 3 or tensor_parallel.autotp_size > 1); use engine.module.state_dict()"
+            )
+        return self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
+
+    def whole_tensor_parallel(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` (a state dict of the module, this rank's tensor-parallel pieces) with every
+        AutoTP-split tensor assembled whole; ``state`` itself without AutoTP. Every rank of the
+        tensor-parallel group calls it."""
+        if self.tensor_parallel is None:
+            return state
+        module = self.strategy.module
+        return whole_state_dict(module, state, self.tensor_parallel.group)
 
     def empty_partition_cache(self) -> None:
         """Free the ZeRO-3 parameters kept gathered between uses (the persistent small ones);

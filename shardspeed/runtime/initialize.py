@@ -10,6 +10,7 @@ from torch import nn
 
 from shardspeed import comm
 from shardspeed.config import DeepSpeedConfig, DeepSpeedConfigError
+from shardspeed.config.batch import BatchSizeError
 from shardspeed.runtime.assembly import assemble
 from shardspeed.runtime.engine import DeepSpeedEngine
 from shardspeed.runtime.pipe import assembly as pipe_assembly
@@ -83,6 +84,34 @@ def _autotp_data_parallel(world: int, autotp: int) -> int:
     return world // autotp
 
 
+def _autotp_batch_config(
+    world_config: DeepSpeedConfig, source: Any, world: int, autotp: int
+) -> DeepSpeedConfig:
+    """The config with its batch triangle over the ``world / autotp`` data-parallel ranks.
+
+    DeepSpeed counts every rank in ``train_batch_size`` under AutoTP (tensor-parallel peers
+    included), and the HF Trainer fills ``"auto"`` that way (``world * micro * accumulation``):
+    a ``train_batch_size`` consistent over the whole world (``world_config`` solved it) is read
+    as that count, and the real global batch (``micro * accumulation * data-parallel size``)
+    replaces it."""
+    dp = _autotp_data_parallel(world, autotp)
+    try:
+        return DeepSpeedConfig(source, dp_world_size=dp)
+    except BatchSizeError:
+        micro = world_config.train_micro_batch_size_per_gpu
+        accumulation = world_config.gradient_accumulation_steps
+        raw = world_config.raw
+        raw["train_batch_size"] = micro * accumulation * dp
+        log_dist(
+            f"tensor_parallel.autotp_size={autotp}: train_batch_size="
+            f"{world_config.train_batch_size} counts all {world} ranks (as DeepSpeed does); "
+            f"the {autotp} tensor-parallel ranks of a group share one batch, so the global "
+            f"batch is {raw['train_batch_size']} over {dp} data-parallel rank(s)",
+            ranks=[0],
+        )
+        return DeepSpeedConfig(raw, dp_world_size=dp)
+
+
 def initialize(
     args: Any = None,
     model: nn.Module | None = None,
@@ -127,9 +156,7 @@ def initialize(
     ds_config = DeepSpeedConfig(source, mpu=mpu, dp_world_size=dp_world_size)
     autotp = _autotp_size(ds_config, model, mpu)
     if autotp > 1 and mpu is None:  # AutoTP: the batch is split over world / autotp ranks
-        ds_config = DeepSpeedConfig(
-            source, dp_world_size=_autotp_data_parallel(dp_world_size, autotp)
-        )
+        ds_config = _autotp_batch_config(ds_config, source, dp_world_size, autotp)
     if autotp > 1:
         ds_config.tensor_parallel.autotp_size = autotp
     if pipeline is not None:

@@ -36,12 +36,21 @@ def whole_state_dict(
     model: nn.Module, state: dict[str, torch.Tensor], group: CommGroup
 ) -> dict[str, torch.Tensor]:
     """``state`` (``model``'s state dict, this rank's pieces) with every split parameter
-    gathered whole; every rank of ``group`` calls it and gets the same result."""
+    gathered whole; every rank of ``group`` calls it and gets the same result. The names of
+    one tied parameter share one whole tensor (it is gathered once)."""
     layouts = split_parameters(model)
-    return {
-        key: gather_whole(value, layouts[key], group) if key in layouts else value
-        for key, value in state.items()
-    }
+    owners = {name: id(p) for name, p in model.named_parameters(remove_duplicate=False)}
+    whole: dict[int, torch.Tensor] = {}
+    out = {}
+    for key, value in state.items():
+        if key not in layouts:
+            out[key] = value
+            continue
+        owner = owners[key]
+        if owner not in whole:
+            whole[owner] = gather_whole(value, layouts[key], group)
+        out[key] = whole[owner]
+    return out
 
 
 def split_parameters(model: nn.Module) -> dict[str, SplitLayout]:
