@@ -107,15 +107,14 @@ class TpSplit:
         try:
             full = tuple(int(s) for s in record["full_shape"])
             dim = int(record["dim"])
-            ranks = tuple(
-                tuple((int(a), int(b)) for a, b in ranges) for ranges in record["ranks"]
-            )
+            ranks = tuple(tuple((int(a), int(b)) for a, b in ranges) for ranges in record["ranks"])
         except (KeyError, TypeError, ValueError) as error:
             raise _damaged(where, f"is malformed for {name!r} ({error!r})") from error
         if not 0 <= dim < len(full) or len(ranks) != size or any(not r for r in ranks):
             raise _damaged(
-                where, f"splits {name!r} (shape {list(full)}) along dimension {dim} into "
-                f"{len(ranks)} pieces for {size} ranks"
+                where,
+                f"splits {name!r} (shape {list(full)}) along dimension {dim} into "
+                f"{len(ranks)} pieces for {size} ranks",
             )
         extent = full[dim]
         distinct = sorted({span for ranges in ranks for span in ranges})
@@ -123,8 +122,9 @@ class TpSplit:
         for start, stop in distinct:
             if start != reached or stop <= start or stop > extent:
                 raise _damaged(
-                    where, f"gives {name!r} the ranges {distinct} of its dimension {dim}, which "
-                    f"do not tile its {extent} rows exactly once"
+                    where,
+                    f"gives {name!r} the ranges {distinct} of its dimension {dim}, which "
+                    f"do not tile its {extent} rows exactly once",
                 )
             reached = stop
         if reached != extent:

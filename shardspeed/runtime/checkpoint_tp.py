@@ -58,9 +58,7 @@ def tp_record(module: nn.Module, size: int) -> TpRecord:
     return TpRecord(size, splits)
 
 
-def module_pieces(
-    state: dict[str, Any], record: TpRecord | None, rank: int
-) -> list[TensorPiece]:
+def module_pieces(state: dict[str, Any], record: TpRecord | None, rank: int) -> list[TensorPiece]:
     """The pieces tensor-parallel rank ``rank``'s module state ``state`` holds: each split
     tensor at its ranges of the whole, the others whole."""
     pieces = []
