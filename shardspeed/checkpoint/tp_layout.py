@@ -17,8 +17,7 @@ record gives its rank. Needs only torch: this module is part of the standalone
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -169,7 +168,7 @@ class TpRecord:
             if torch.is_tensor(value):
                 split.check_piece(name, rank, tuple(value.shape), file)
 
-    def assemble_state(self, states: list[Mapping[str, Any]]) -> dict[str, Any]:
+    def assemble_state(self, states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         """One whole state dict from every rank's (``states[r]``: rank ``r``'s, checked):
         split tensors assembled, the rest as rank 0 holds them; tied names stay one tensor."""
         whole: dict[str, Any] = {}
@@ -197,8 +196,3 @@ def tp_record_of(model_state: Mapping[str, Any], where: str) -> TpRecord | None:
     if mp != record.size:
         raise _damaged(where, f"names {record.size} ranks where the file's mp_world_size is {mp}")
     return record
-
-
-def flat_numel(shape: tuple[int, ...]) -> int:
-    """Elements of a tensor of ``shape``."""
-    return math.prod(shape)

@@ -17,6 +17,7 @@ re-partitions for its own stage and data-parallel size like any other checkpoint
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,7 @@ from shardspeed.checkpoint.reshard import Resharder
 from shardspeed.checkpoint.sources import saved_shards
 from shardspeed.checkpoint.tp_layout import TpLayoutError, TpRecord, TpSplit, tp_record_of
 from shardspeed.runtime.tensor_parallel.gather import split_parameters
+from shardspeed.runtime.tensor_parallel.partition import SplitLayout
 
 if TYPE_CHECKING:
     from torch import nn
@@ -114,10 +116,11 @@ def whole_module_state(folder: Path, state: dict[str, Any], unsafe: bool) -> dic
     return record.assemble_state([s["module"] for s in states])
 
 
-def cut_for(engine: DeepSpeedEngine, name: str, whole: torch.Tensor) -> torch.Tensor:
+def cut_for(
+    engine: DeepSpeedEngine, layouts: Mapping[str, SplitLayout], name: str, whole: torch.Tensor
+) -> torch.Tensor:
     """This rank's piece of tensor ``name`` from the whole tensor (itself where it is not
-    split here)."""
-    layouts = _layouts(engine)
+    split here; ``layouts``: this model's splits, :func:`split_parameters`)."""
     layout = layouts.get(name)
     if layout is None:
         return whole
@@ -131,16 +134,9 @@ def cut_for(engine: DeepSpeedEngine, name: str, whole: torch.Tensor) -> torch.Te
     return layout.take(whole, rank).clone()
 
 
-def _layouts(engine: DeepSpeedEngine) -> dict[str, Any]:
-    cached = getattr(engine, "_tp_checkpoint_layouts", None)
-    if cached is None:
-        cached = split_parameters(engine.module)
-        engine._tp_checkpoint_layouts = cached  # type: ignore[attr-defined]
-    return cached
-
-
 def local_module_state(engine: DeepSpeedEngine, whole: dict[str, Any]) -> dict[str, Any]:
     """``whole`` (a whole module state) cut to this rank's pieces (tied names stay one)."""
+    layouts = split_parameters(engine.module)
     cut: dict[int, torch.Tensor] = {}
     out = {}
     for name, value in whole.items():
@@ -149,7 +145,7 @@ def local_module_state(engine: DeepSpeedEngine, whole: dict[str, Any]) -> dict[s
         elif id(value) in cut:
             out[name] = cut[id(value)]
         else:
-            out[name] = cut[id(value)] = cut_for(engine, name, value)
+            out[name] = cut[id(value)] = cut_for(engine, layouts, name, value)
     return out
 
 
@@ -176,6 +172,7 @@ def optimizer_shard(
         groups = resharder.reference["optimizer"]["param_groups"]
         per_rank.append((layout, resharder.state_for(layout, 1, 0, groups)))
     layout0, first = per_rank[0]
+    layouts = split_parameters(engine.module)
     new_layout, masters, new_states = [], [], {}
     for index, bucket in enumerate(layout0):
         ((name, _, _),) = bucket["params"]
@@ -190,7 +187,7 @@ def optimizer_shard(
             return split.assemble(parts)
 
         chunks = [out["strategy"]["fp32_chunks"][index] for _, out in per_rank]
-        master = cut_for(engine, name, whole(chunks)).reshape(-1)
+        master = cut_for(engine, layouts, name, whole(chunks)).reshape(-1)
         masters.append(master)
         new_layout.append(param_bucket(bucket["group"], index, name, master.numel()))
         saved = first["optimizer"]["state"].get(index)
@@ -199,7 +196,10 @@ def optimizer_shard(
         numel = chunks[0].numel()
         new_states[index] = {
             key: cut_for(
-                engine, name, whole([out["optimizer"]["state"][index][key] for _, out in per_rank])
+                engine,
+                layouts,
+                name,
+                whole([o["optimizer"]["state"][index][key] for _, o in per_rank]),
             ).reshape(-1)
             if torch.is_tensor(value) and value.dim() == 1 and value.numel() == numel
             else value

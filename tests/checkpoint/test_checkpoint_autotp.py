@@ -101,15 +101,15 @@ def test_autotp_checkpoint_resumes_at_other_sizes(dist_pool, tmp_path: Path, kin
     convert_zero_checkpoint_to_fp32_state_dict(save_dir, str(out), tag="step3")
     _close(torch.load(out / "pytorch_model.bin"), base["saved"], f"{kind} file writer")
     script = tmp_path / "ckpt" / "zero_to_fp32.py"
-    if script.is_file():  # the standalone script beside the checkpoint (torch only)
-        cli = tmp_path / "cli"
-        subprocess.run(
-            [sys.executable, str(script), save_dir, str(cli), "--tag", "step3"],
-            check=True,
-            capture_output=True,
-            cwd=tmp_path,
-        )
-        _close(torch.load(cli / "pytorch_model.bin"), base["saved"], f"{kind} script")
+    assert script.is_file()  # the standalone script beside the checkpoint (torch only)
+    cli = tmp_path / "cli"
+    subprocess.run(
+        [sys.executable, str(script), save_dir, str(cli), "--tag", "step3"],
+        check=True,
+        capture_output=True,
+        cwd=tmp_path,
+    )
+    _close(torch.load(cli / "pytorch_model.bin"), base["saved"], f"{kind} script")
     consolidate.main([save_dir, str(tmp_path / "main"), "--tag", "step3"])
     _close(torch.load(tmp_path / "main" / "pytorch_model.bin"), base["saved"], f"{kind} CLI")
 
