@@ -42,14 +42,21 @@ UNIVERSAL_MASTER = "fp32"
 UNIVERSAL_CHECKPOINT_INFO = "universal_checkpoint_info"
 
 
+def tp_file_name(template: str, mp_rank: int) -> str:
+    """``template`` (one of the ``*_mp_rank_00_*`` names, formatted or not) for
+    tensor-parallel rank ``mp_rank`` (DeepSpeed's ``mp_rank_{mp_rank:02d}``)."""
+    return template.replace("mp_rank_00", f"mp_rank_{mp_rank:02d}")
+
+
 def zero3_model_states_name(optimizer_shard: str) -> str:
     """The :data:`ZERO3_MODEL_STATES` name of the data-parallel rank whose optimizer shard is
     named ``optimizer_shard`` (:data:`OPTIM_SHARD`)."""
     pattern = re.escape(OPTIM_SHARD).replace(re.escape("{}"), r"(\d+)")
+    pattern = pattern.replace("mp_rank_00", r"mp_rank_(\d\d)")
     rank = re.fullmatch(pattern, optimizer_shard)
     if rank is None:
         raise ValueError(f"{optimizer_shard!r} is not a ZeRO optimizer shard name")
-    return ZERO3_MODEL_STATES.format(rank.group(1))
+    return tp_file_name(ZERO3_MODEL_STATES.format(rank.group(1)), int(rank.group(2)))
 
 
 def _natural_key(name: str) -> list[int | str]:
@@ -93,10 +100,11 @@ def get_model_state_file(checkpoint_dir: str | os.PathLike[str], zero_stage: int
     return str(path)
 
 
-def shard_paths(folder: Path, count: int) -> list[Path]:
-    """The optimizer shard of each of ``count`` ranks: ``zero_pp_rank_*``, or DeepSpeed's
-    ``bf16_zero_pp_rank_*`` (its name for the same files when bf16 is on)."""
-    plain = [folder / OPTIM_SHARD.format(rank) for rank in range(count)]
+def shard_paths(folder: Path, count: int, mp_rank: int = 0) -> list[Path]:
+    """The optimizer shard of each of ``count`` ranks (of tensor-parallel rank ``mp_rank``):
+    ``zero_pp_rank_*``, or DeepSpeed's ``bf16_zero_pp_rank_*`` (its name for the same files
+    when bf16 is on)."""
+    plain = [folder / tp_file_name(OPTIM_SHARD.format(r), mp_rank) for r in range(count)]
     bf16 = [p.with_name("bf16_" + p.name) for p in plain]
     return bf16 if not plain[0].is_file() and bf16[0].is_file() else plain
 

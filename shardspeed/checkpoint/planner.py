@@ -25,7 +25,15 @@ Record format (plain data, read with ``weights_only=True``)::
                 "family": "optimizer",      # or "module": which state the pieces are of
                 "copy": 0,                  # files of one copy tile each tensor together
                 "pieces": {"wte.weight": {"global_shape": [64, 16], "offsets": [0],
-                                          "local_shape": [512], "flat": True}, ...}}, ...]}
+                                          "local_shape": [512], "flat": True}, ...}}, ...],
+     "tensor_parallel": {...}}      # version 2, AutoTP saves only (.tp_layout)
+
+Tensor parallelism (version 2): a tensor-parallel rank's module file holds its piece of each
+split parameter at its offsets along the split dimension (a piece of several ranges is a list
+of records under its name); its optimizer shards hold flat ranges of that *piece*, recorded
+with ``"tp_rank": t`` and the piece's shape as ``global_shape`` (each rank's pieces tile its own
+piece); the ``tensor_parallel`` section (:class:`~shardspeed.checkpoint.tp_layout.TpRecord`)
+says where each rank's piece sits in the whole tensor.
 
 Needs only torch and the standard library (layer 2).
 """
@@ -39,10 +47,11 @@ from typing import Any
 
 import torch
 
-#: the model-states key holding the record of a save (shardspeed's; DeepSpeed ignores it)
-PLAN_KEY = "shardspeed_plan"
-#: the record structure this shardspeed writes and reads
-PLAN_VERSION = 1
+from shardspeed.checkpoint.tp_layout import PLAN_KEY, TP_KEY, TpRecord
+
+#: the record structure this shardspeed writes and reads (2: with a tensor-parallel section;
+#: a save without one is still written as version 1)
+PLAN_VERSION = 2
 #: the families of state a file's pieces are of
 MODULE = "module"
 OPTIMIZER = "optimizer"
@@ -66,6 +75,9 @@ class TensorPiece:
     offsets: Shape
     local_shape: Shape
     flat: bool = False
+    #: the tensor-parallel rank whose piece of the tensor ``global_shape`` is (an AutoTP
+    #: optimizer shard's pieces); None: of the whole tensor
+    part: int | None = None
 
     @classmethod
     def whole(cls, fqn: str, shape: Sequence[int]) -> TensorPiece:
@@ -122,21 +134,30 @@ class TensorPiece:
         return f"offsets {list(self.offsets)}, shape {list(self.local_shape)}"
 
     def to_record(self) -> dict[str, Any]:
-        return {
+        record = {
             "global_shape": list(self.global_shape),
             "offsets": list(self.offsets),
             "local_shape": list(self.local_shape),
             "flat": self.flat,
         }
+        return record if self.part is None else {**record, "tp_rank": self.part}
 
     @classmethod
     def from_record(cls, fqn: str, record: Mapping[str, Any]) -> TensorPiece:
+        part = record.get("tp_rank")
         return cls(
             fqn,
             tuple(int(s) for s in record["global_shape"]),
             tuple(int(s) for s in record["offsets"]),
             tuple(int(s) for s in record["local_shape"]),
             bool(record.get("flat", False)),
+            None if part is None else int(part),
+        )
+
+    def of_part(self, part: int) -> TensorPiece:
+        """This piece as one of tensor-parallel rank ``part``'s piece of the tensor."""
+        return TensorPiece(
+            self.fqn, self.global_shape, self.offsets, self.local_shape, self.flat, part
         )
 
 
@@ -152,16 +173,24 @@ class FilePieces:
     copy: int = 0
 
     def to_record(self) -> dict[str, Any]:
+        by_fqn: dict[str, list[dict[str, Any]]] = {}
+        for piece in self.pieces:
+            by_fqn.setdefault(piece.fqn, []).append(piece.to_record())
         return {
             "name": self.name,
             "family": self.family,
             "copy": self.copy,
-            "pieces": {p.fqn: p.to_record() for p in self.pieces},
+            # a tensor-parallel piece of several ranges is several pieces of its tensor
+            "pieces": {k: v[0] if len(v) == 1 else v for k, v in by_fqn.items()},
         }
 
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> FilePieces:
-        pieces = tuple(TensorPiece.from_record(k, v) for k, v in record["pieces"].items())
+        pieces = tuple(
+            TensorPiece.from_record(k, one)
+            for k, v in record["pieces"].items()
+            for one in (v if isinstance(v, list) else [v])
+        )
         return cls(str(record["name"]), str(record["family"]), pieces, int(record.get("copy", 0)))
 
 
@@ -173,6 +202,8 @@ class SavePlan:
     files: dict[str, Any]
     holdings: list[FilePieces] = field(default_factory=list)
     record_file: str | None = None
+    #: the tensor-parallel section of the record (AutoTP saves)
+    tensor_parallel: TpRecord | None = None
 
     def hold(self, name: str, family: str, pieces: Iterable[TensorPiece], copy: int = 0) -> None:
         """Record that file ``name`` holds ``pieces`` of the ``family`` state."""
@@ -211,10 +242,15 @@ def layout_pieces(
 
 
 # -- the record -------------------------------------------------------------------------------
-def save_record(holdings: Iterable[Iterable[FilePieces]]) -> dict[str, Any]:
-    """The record of a save from every rank's holdings (plain data, for :data:`PLAN_KEY`)."""
+def save_record(
+    holdings: Iterable[Iterable[FilePieces]], tensor_parallel: TpRecord | None = None
+) -> dict[str, Any]:
+    """The record of a save from every rank's holdings (plain data, for :data:`PLAN_KEY`),
+    with the tensor-parallel section of an AutoTP save."""
     files = [f.to_record() for rank in holdings for f in rank]
-    return {"version": PLAN_VERSION, "files": files}
+    if tensor_parallel is None:
+        return {"version": 1, "files": files}
+    return {"version": PLAN_VERSION, "files": files, TP_KEY: tensor_parallel.to_record()}
 
 
 def read_record(state: Mapping[str, Any], where: str) -> list[FilePieces] | None:
@@ -257,12 +293,15 @@ def plan_load(
     record_file: str,
     holdings: list[FilePieces] | None,
     expected: Mapping[str, Mapping[str, Sequence[int]]],
+    tensor_parallel: TpRecord | None = None,
 ) -> LoadPlan:
     """The plan of loading the checkpoint in ``folder`` whose record (read from
     ``record_file``) lists ``holdings``, into a model needing ``expected``. Raises
     :class:`CheckpointPlanError` naming the tensor, the file and the fix when a piece falls
     outside its tensor, a tensor is recorded with two shapes, a tensor this model needs is
-    recorded with another shape, or a tensor's pieces overlap or leave a gap."""
+    recorded with another shape, or a tensor's pieces overlap or leave a gap; with
+    ``tensor_parallel`` (the save's section) also a tensor-parallel rank's optimizer pieces
+    recorded for a piece of another shape than the section gives that rank."""
     wanted = {
         family: {name: tuple(int(s) for s in shape) for name, shape in names.items()}
         for family, names in expected.items()
@@ -270,8 +309,8 @@ def plan_load(
     if holdings is None:
         return LoadPlan(folder, False, wanted)
     where = f"{folder}/{record_file}"
-    by_tensor: dict[tuple[str, str, int], list[tuple[str, TensorPiece]]] = {}
-    shapes: dict[str, tuple[Shape, str]] = {}
+    by_tensor: dict[tuple[str, str, int, int | None], list[tuple[str, TensorPiece]]] = {}
+    shapes: dict[tuple[str, int | None], tuple[Shape, str]] = {}
     for held in holdings:
         if held.family not in FAMILIES:
             raise CheckpointPlanError(
@@ -280,7 +319,7 @@ def plan_load(
             )
         for piece in held.pieces:
             _check_bounds(piece, held.name, where)
-            first = shapes.setdefault(piece.fqn, (piece.global_shape, held.name))
+            first = shapes.setdefault((piece.fqn, piece.part), (piece.global_shape, held.name))
             if first[0] != piece.global_shape:
                 raise CheckpointPlanError(
                     f"tensor {piece.fqn!r} is recorded with global shape {list(first[0])} in "
@@ -288,10 +327,11 @@ def plan_load(
                     f"{where}): the files come from different saves; copy the whole tag folder "
                     "of one save, or load another tag"
                 )
-            by_tensor.setdefault((held.family, piece.fqn, held.copy), []).append((held.name, piece))
+            key = (held.family, piece.fqn, held.copy, piece.part)
+            by_tensor.setdefault(key, []).append((held.name, piece))
     for names in wanted.values():
         for name, shape in names.items():
-            recorded = shapes.get(name)
+            recorded = shapes.get((name, None))
             if recorded is not None and recorded[0] != shape:
                 raise CheckpointPlanError(
                     f"tensor {name!r} is saved in {folder}/{recorded[1]} with global shape "
@@ -299,14 +339,36 @@ def plan_load(
                     f"shape {list(shape)}: the checkpoint is of another model. Load a "
                     "checkpoint saved from this model, or build the model with the saved shape"
                 )
-    for (family, fqn, copy), pieces in by_tensor.items():
+    if tensor_parallel is not None:
+        _check_parts(shapes, tensor_parallel, where)
+    for (family, fqn, copy, _), pieces in by_tensor.items():
         _check_tiling(family, fqn, copy, pieces, where)
-    sources = {
-        (family, fqn): tuple(sorted({name for name, _ in pieces}))
-        for (family, fqn, _), pieces in by_tensor.items()
-        if fqn in wanted.get(family, {})
-    }
-    return LoadPlan(folder, True, wanted, sources, record_file)
+    sources: dict[tuple[str, str], set[str]] = {}
+    for (family, fqn, _, _), pieces in by_tensor.items():
+        if fqn in wanted.get(family, {}):
+            sources.setdefault((family, fqn), set()).update(name for name, _ in pieces)
+    found = {key: tuple(sorted(names)) for key, names in sources.items()}
+    return LoadPlan(folder, True, wanted, found, record_file)
+
+
+def _check_parts(
+    shapes: Mapping[tuple[str, int | None], tuple[Shape, str]], tp: TpRecord, where: str
+) -> None:
+    """Each tensor-parallel rank's pieces are recorded with the shape the record's
+    tensor-parallel section gives that rank of the whole tensor."""
+    for (fqn, part), (shape, file) in shapes.items():
+        whole = shapes.get((fqn, None))
+        if part is None or whole is None:
+            continue
+        if part >= tp.size or shape != tp.shape_of(fqn, whole[0], part):
+            raise CheckpointPlanError(
+                f"{file} is recorded to hold state of tensor-parallel rank {part}'s piece of "
+                f"{fqn!r} with shape {list(shape)}, but the record's tensor-parallel section "
+                f"({tp.size} ranks) gives that rank a piece of shape "
+                f"{list(tp.shape_of(fqn, whole[0], part)) if part < tp.size else '-'} of the "
+                f"whole {list(whole[0])} (record in {where}); the record was edited or damaged. "
+                "Copy the whole tag folder of one save, or load another tag"
+            )
 
 
 def _check_bounds(piece: TensorPiece, file: str, where: str) -> None:
@@ -328,13 +390,15 @@ def _check_bounds(piece: TensorPiece, file: str, where: str) -> None:
 def _check_tiling(
     family: str, fqn: str, copy: int, held: list[tuple[str, TensorPiece]], where: str
 ) -> None:
-    """The pieces of one copy of a tensor cover every element once (the same piece in two
-    files is one piece kept twice)."""
+    """The pieces of one copy of a tensor (or of one tensor-parallel rank's piece of it) cover
+    every element once (the same piece in two files is one piece kept twice)."""
     unique: dict[TensorPiece, str] = {}
     for name, piece in held:
         unique.setdefault(piece, name)
     total = math.prod(held[0][1].global_shape)
+    part = held[0][1].part
     what = f"the {family} state of tensor {fqn!r}" + (f" (copy {copy})" if copy else "")
+    what += "" if part is None else f" (tensor-parallel rank {part}'s piece)"
     if any(p.flat for p in unique):  # ranges of the flattened tensor (ZeRO shards)
         _check_ranges(what, unique, total, held, where)
         return

@@ -67,10 +67,11 @@ def read_model_states(
 
 
 def saved_shards(
-    folder: Path, model_state: dict[str, Any], allow_unsafe_pickle: bool = False
+    folder: Path, model_state: dict[str, Any], allow_unsafe_pickle: bool = False, mp_rank: int = 0
 ) -> tuple[ShardReader, int] | None:
     """(reader of rank ``r``'s shard, number of shards) for the optimizer state of the checkpoint
-    tag ``folder`` whose model-states file holds ``model_state``; None if none was saved. Files
+    tag ``folder`` whose model-states file (of tensor-parallel rank ``mp_rank``) holds
+    ``model_state``; None if none was saved. Files
     are read safely (:func:`~shardspeed.checkpoint.reader.load_file`) unless
     ``allow_unsafe_pickle``."""
     universal = universal_layout(folder, model_state)
@@ -94,7 +95,7 @@ def saved_shards(
     if not model_state.get("zero_stage") and not deepspeed:
         return None  # stage 0 with nothing in "optimizer": none was saved
     count = int(model_state["dp_world_size"])
-    paths = shard_paths(folder, count)
+    paths = shard_paths(folder, count, mp_rank)
 
     def read(rank: int) -> dict[str, Any]:
         # read when first needed (a rank keeping its layout needs only its own), memory-mapped

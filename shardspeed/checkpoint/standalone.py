@@ -25,6 +25,7 @@ MODULES = (
     "layout",
     "deepspeed_zero3",
     "sources",
+    "tp_layout",
     "consolidate",
 )
 _PACKAGE = "shardspeed.checkpoint"

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from shardspeed.checkpoint.files import existing_tag, resolve_tag
 from shardspeed.checkpoint.manifest import check_tag
 from shardspeed.checkpoint.planner import PLAN_KEY, LoadPlan, plan_load, read_record
+from shardspeed.checkpoint.tp_layout import tp_record_of
 from shardspeed.runtime import checkpointer
 from shardspeed.runtime.rank_agreement import agree_on
 from shardspeed.utils.logging import log_dist
@@ -85,7 +86,9 @@ def read_checkpoint(
         check_tag(folder, config.verify_checksums)
         state = fmt.read_states(folder, path, unsafe)
         expected = fmt.expected(engine, options.custom_load_fn is None, trained)
-        plan = plan_load(str(folder), path.name, read_record(state, str(path)), expected)
+        holdings = read_record(state, str(path))
+        tp = tp_record_of(state, str(path))
+        plan = plan_load(str(folder), path.name, holdings, expected, tp)
     except Exception as error:  # every rank must learn of it before any collective
         failure = error
     agree_on(failure, f"load checkpoint {folder}", engine.device)

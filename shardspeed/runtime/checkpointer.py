@@ -126,7 +126,8 @@ def _add_record(plan: SavePlan, files: dict[str, Any]) -> None:
         holdings = [[] for _ in range(comm.get_world_size())]
         comm.all_gather_object(holdings, plan.holdings)
     if plan.record_file is not None and plan.record_file in files:
-        files[plan.record_file] = {**files[plan.record_file], PLAN_KEY: save_record(holdings)}
+        record = save_record(holdings, plan.tensor_parallel)
+        files[plan.record_file] = {**files[plan.record_file], PLAN_KEY: record}
 
 
 def wait(engine: DeepSpeedEngine) -> None:

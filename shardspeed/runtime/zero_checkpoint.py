@@ -15,6 +15,10 @@ What each file holds, as the planner records it (:mod:`~shardspeed.checkpoint.pl
 model states every module tensor whole (the experts' left out), a stage 0 optimizer every
 trained parameter whole; a rank's shard the ranges of each parameter's flattened elements in its
 chunk of each bucket; an expert's files its parameters whole, or its row of a fused one.
+
+With AutoTP (``tensor_parallel.autotp_size``) every tensor-parallel rank ``t`` has its own
+``mp_rank_{t:02d}_*`` files, and a checkpoint loads at any tensor-parallel size
+(:mod:`~shardspeed.runtime.checkpoint_tp`).
 """
 
 from __future__ import annotations
@@ -24,7 +28,14 @@ from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shardspeed.checkpoint.files import MODEL_STATES, model_states_path, zero3_model_states_name
+import torch
+
+from shardspeed.checkpoint.files import (
+    MODEL_STATES,
+    model_states_path,
+    tp_file_name,
+    zero3_model_states_name,
+)
 from shardspeed.checkpoint.planner import (
     MODULE,
     OPTIMIZER,
@@ -34,7 +45,7 @@ from shardspeed.checkpoint.planner import (
     whole_pieces,
 )
 from shardspeed.checkpoint.sources import UNIVERSAL_LAYOUT, read_model_states, saved_shards
-from shardspeed.runtime import moe_checkpoint
+from shardspeed.runtime import checkpoint_tp, moe_checkpoint
 from shardspeed.runtime.checkpoint_format import PlannedFormat
 from shardspeed.runtime.train_state import COUNTERS
 from shardspeed.version import __version__
@@ -97,18 +108,30 @@ class ZeroFormat(PlannedFormat["DeepSpeedEngine"]):
         plan = SavePlan({}, record_file=MODEL_STATES if commits else None)
         files, strategy = plan.files, engine.strategy
         shapes = param_shapes(engine.module)
+        tp_rank, tp_size = checkpoint_tp.tp_rank_and_size(engine)
+        tp = checkpoint_tp.tp_record(engine.module, tp_size) if tp_size > 1 else None
+        plan.tensor_parallel = tp
+        model_states = tp_file_name(MODEL_STATES, tp_rank)
         shard = None if engine.optimizer is None else strategy.checkpoint_shard_name()
         optimizer_state = engine.optimizer.state_dict() if engine.optimizer is not None else None
+        dp_rank = None
         if shard is not None:
             assert optimizer_state is not None
             count = strategy.checkpoint_world_size()
+            dp_rank = next(r for r in range(count) if strategy.checkpoint_shard_name(r) == shard)
+            shard = tp_file_name(shard, tp_rank)
             files[shard] = {"optimizer_state_dict": optimizer_state, "dp_world_size": count}
-            rank = next(r for r in range(count) if strategy.checkpoint_shard_name(r) == shard)
             layout = optimizer_state["strategy"].get("layout", [])
-            plan.hold(shard, OPTIMIZER, layout_pieces(layout, count, rank, shapes))
+            pieces = layout_pieces(layout, count, dp_rank, shapes)
+            plan.hold(shard, OPTIMIZER, [p.of_part(tp_rank) for p in pieces] if tp else pieces)
         # every rank: gathering a partitioned module (stage 3) is a collective
         module_state = strategy.full_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
         moe: dict[str, Any] = {}
+        if tp is not None and moe_checkpoint.has_experts(engine.module):
+            raise NotImplementedError(
+                "saving a Mixture-of-Experts model trained with AutoTP "
+                "(tensor_parallel.autotp_size > 1) is not yet supported in shardspeed"
+            )
         if moe_checkpoint.has_experts(engine.module):  # experts go to files of their own
             module_state, expert_files, info = moe_checkpoint.split_module_state(
                 engine, module_state
@@ -125,6 +148,7 @@ class ZeroFormat(PlannedFormat["DeepSpeedEngine"]):
             else None,
             "buffer_names": buffer_names,
             "dp_world_size": strategy.checkpoint_world_size(),
+            "mp_world_size": tp_size,
             "zero_stage": engine.zero_optimization_stage(),
             "ds_config": engine.config.raw,
             "ds_version": __version__,
@@ -135,15 +159,19 @@ class ZeroFormat(PlannedFormat["DeepSpeedEngine"]):
         if engine.zero_optimization_stage() == 3 and rank_shard is not None:
             # DeepSpeed's ZeRO-3 names a model-states file per rank; tools read rank 0's
             buffers = {name: module_state[name] for name in buffer_names if name in module_state}
-            name = zero3_model_states_name(rank_shard)
+            name = zero3_model_states_name(tp_file_name(rank_shard, tp_rank))
             files[name] = {"module": buffers, **state}
             plan.hold(name, MODULE, whole_pieces(buffers))
-        if commits:
-            files[MODEL_STATES] = {"module": module_state, **state}
-            plan.hold(MODEL_STATES, MODULE, whole_pieces(module_state))
+        # AutoTP: the first data-parallel rank of each tensor-parallel group writes its pieces
+        writes = commits if tp is None else _first_data_parallel_rank(engine)
+        if writes:
+            files[model_states] = {"module": module_state, **state}
+            plan.hold(model_states, MODULE, checkpoint_tp.module_pieces(module_state, tp, tp_rank))
             if shard is None and optimizer_state is not None:  # replicated: whole
                 layout = optimizer_state["strategy"].get("layout", [])
-                plan.hold(MODEL_STATES, OPTIMIZER, layout_pieces(layout, 1, 0, shapes))
+                pieces = layout_pieces(layout, 1, 0, shapes)
+                pieces = [p.of_part(tp_rank) for p in pieces] if tp else pieces
+                plan.hold(model_states, OPTIMIZER, pieces)
         return plan
 
     # -- load ---------------------------------------------------------------------------------
@@ -169,16 +197,21 @@ class ZeroFormat(PlannedFormat["DeepSpeedEngine"]):
         local = {e.local_name for e in experts}  # the files name experts as ep_size=1 does
         by_global = {e.global_name: moe_checkpoint.expert_piece(e).global_shape for e in experts}
         out: dict[str, dict[str, Shape]] = {}
+
+        def whole(name: str, tensor: torch.Tensor) -> Shape:  # an AutoTP piece: its whole
+            layout = getattr(tensor, "tp_layout", None)
+            return tuple(tensor.shape) if layout is None else tuple(layout.full_shape)
+
         if module:
             named = chain(
                 model.named_parameters(remove_duplicate=False),
                 model.named_buffers(remove_duplicate=False),
             )
-            out[MODULE] = {n: tuple(t.shape) for n, t in named if n not in local} | by_global
+            out[MODULE] = {n: whole(n, t) for n, t in named if n not in local} | by_global
         if optimizer:
             trained = model.named_parameters()  # tied: under its first name, as stepped
             out[OPTIMIZER] = {
-                n: tuple(p.shape) for n, p in trained if p.requires_grad and n not in local
+                n: whole(n, p) for n, p in trained if p.requires_grad and n not in local
             } | by_global
         return out
 
@@ -190,6 +223,9 @@ class ZeroFormat(PlannedFormat["DeepSpeedEngine"]):
         unsafe: bool,
         options: LoadOptions,
     ) -> Any:
+        if checkpoint_tp.involved(engine, state, str(folder / MODEL_STATES)):
+            whole = checkpoint_tp.whole_module_state(folder, state, unsafe)
+            return checkpoint_tp.local_module_state(engine, whole)
         # the experts this rank holds now, from their own files
         return moe_checkpoint.module_state_with_experts(engine, folder, state, unsafe)
 
@@ -201,6 +237,12 @@ class ZeroFormat(PlannedFormat["DeepSpeedEngine"]):
     ) -> dict[str, Any] | None:
         """From whatever form the checkpoint holds it in (:mod:`~shardspeed.checkpoint
         .sources`), saved under any stage or world size."""
+        if checkpoint_tp.involved(engine, state, str(folder / MODEL_STATES)):
+            # whole pieces of this rank's parameters, re-partitioned by the strategy below
+            shard = checkpoint_tp.optimizer_shard(engine, folder, state, unsafe)
+            if shard is None:
+                return None
+            return engine.strategy.sharded_state(lambda _: shard, 1, {})
         shards = saved_shards(folder, state, unsafe)
         if shards is None:
             return None
@@ -214,6 +256,12 @@ class ZeroFormat(PlannedFormat["DeepSpeedEngine"]):
     ) -> None:
         if _in_expert_layout(engine, state):
             moe_checkpoint.load_expert_optimizer(engine, folder, unsafe)
+
+
+def _first_data_parallel_rank(engine: DeepSpeedEngine) -> bool:
+    """Whether this rank is the first of its data-parallel group (it writes its
+    tensor-parallel rank's model states)."""
+    return engine.topology.local_rank("dp") == 0
 
 
 def _in_expert_layout(engine: DeepSpeedEngine, state: dict[str, Any]) -> bool:

@@ -135,8 +135,8 @@ def test_expert_rows_and_copies():
 def test_a_checkpoint_without_record_is_unchecked_and_newer_records_refused():
     plan = plan_load("tag", MODEL_STATES, read_record({}, "model"), {OPTIMIZER: {"a": (5,)}})
     assert not plan.recorded and plan.sources == {}
-    with pytest.raises(CheckpointPlanError, match="record of version 2"):
-        read_record({PLAN_KEY: {"version": 2, "files": []}}, "model")
+    with pytest.raises(CheckpointPlanError, match="record of version 3"):
+        read_record({PLAN_KEY: {"version": 3, "files": []}}, "model")
 
 
 # -- saved records, edited ---------------------------------------------------------------------
