@@ -1,8 +1,10 @@
-"""Tensor parallelism for training: layers split over the topology's ``tp`` axis.
+"""Tensor parallelism for training (AutoTP): a model split over the topology's ``tp`` axis.
 
-``partition`` holds the slicing arithmetic (shared with inference's AutoTP), ``collectives`` the
-differentiable exchanges between tensor-parallel ranks, ``layers`` the column- and row-parallel
-linears built from a whole ``nn.Linear``, and ``config`` DeepSpeed's ``TPTrainingConfig``.
-AutoTP training of whole Hugging Face models (``tensor_parallel.autotp_size``) builds on these
-and is not wired into ``initialize`` yet (it refuses the key).
+``apply`` splits a whole model in place inside ``initialize`` following ``plan`` (from
+``partition_config`` / ``preset_model`` specs in ``specs`` and ``presets``, the model's Hugging
+Face ``tp_plan``, or the structural rules shared with inference); ``layers`` holds the column-
+and row-parallel linears and the vocabulary-parallel embedding, ``collectives`` the
+differentiable exchanges, ``partition`` the slicing arithmetic, ``gather`` whole tensors from
+the pieces, ``legacy`` DeepSpeed's ``tp_model_init`` / ``set_autotp_mode`` and ``config`` its
+``TPTrainingConfig``.
 """
