@@ -96,6 +96,7 @@ def split_tensor_parallel(
         topology,
         grain=int(config.tensor_parallel.tensor_parallel.tp_grain_size),
         specs=_autotp_specs(config, model),
+        overlap_comm=bool(config.tensor_parallel.tp_overlap_comm),
     )
 
 

@@ -274,3 +274,49 @@ def _get_broadcast_src_rank() -> int:
     if group is None or group is comm.get_world_group():
         return 0
     return int(comm.get_global_rank(group, 0))
+
+
+# DeepSpeed's AutoTP interface (the engine acts as its own mpu): the tensor-parallel axis of the
+# current topology, which ``tensor_parallel.autotp_size`` builds.
+def get_tensor_model_parallel_group() -> Any:
+    """This rank's tensor-parallel group (the world group when every rank is in it)."""
+    return _axis_group("tp")
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    return current_topology().size("tp")
+
+
+def get_tensor_model_parallel_rank() -> int:
+    return current_topology().local_rank("tp")
+
+
+def get_tensor_model_parallel_src_rank() -> int:
+    """Global rank of tensor-parallel rank 0 of this rank's group (where a batch is
+    broadcast from so the whole group runs the same one)."""
+    return current_topology().ranks("tp")[0]
+
+
+def get_data_parallel_group() -> Any:
+    return _get_data_parallel_group()
+
+
+def get_data_parallel_world_size() -> int:
+    return _get_data_parallel_world_size()
+
+
+def get_data_parallel_rank() -> int:
+    return _get_data_parallel_rank()
+
+
+def get_model_parallel_group() -> Any:
+    """The tensor-parallel group (DeepSpeed's AutoTP name for it)."""
+    return get_tensor_model_parallel_group()
+
+
+def get_model_parallel_world_size() -> int:
+    return get_tensor_model_parallel_world_size()
+
+
+def get_model_parallel_rank() -> int:
+    return get_tensor_model_parallel_rank()

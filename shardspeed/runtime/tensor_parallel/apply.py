@@ -18,6 +18,7 @@ from torch import nn
 
 from shardspeed.accelerator import get_accelerator
 from shardspeed.comm.parallel_topology import ParallelTopology
+from shardspeed.runtime.tensor_parallel.input_check import check_inputs_once
 from shardspeed.runtime.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -103,6 +104,7 @@ def apply_tensor_parallel(
     *,
     grain: int = 1,
     specs: Any = None,
+    overlap_comm: bool = False,
 ) -> TensorParallelModel:
     """Split ``model`` in place over ``topology``'s ``tp`` group (see the module docs)."""
     group = CommGroup.of(topology.group("tp"))
@@ -125,6 +127,7 @@ def apply_tensor_parallel(
                 gather_output=split.gather_output,
                 layout=split.layout,
                 replicas=replicas.of(split.layout, group.rank),
+                overlap_comm=overlap_comm,
             )
         elif split.kind == "row":
             new = RowParallelLinear(
@@ -142,6 +145,8 @@ def apply_tensor_parallel(
         setattr(model.get_submodule(name), attr, value)
     for name in plan.local_configs:
         _localise_config(model.get_submodule(name), plan)
+    if group.partitioned:
+        check_inputs_once(model, group, device)
     return TensorParallelModel(group, plan)
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -147,6 +147,35 @@ def _shared_copy(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
     return copied
 
 
+class _OverlappedColumnLinear(torch.autograd.Function):
+    """``x W^T + b`` whose backward starts the all-reduce of the input gradient, computes the
+    weight gradient while it runs, then waits (``tensor_parallel.tp_overlap_comm``)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        group: CommGroup,
+    ) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.has_bias = group, bias is not None
+        return nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        x, weight = ctx.saved_tensors
+        # (under autocast the saved tensors and the gradient may differ in dtype)
+        grad_x = (grad @ weight.to(grad.dtype)).to(x.dtype).contiguous()
+        work = ctx.group.all_reduce(grad_x, async_op=True)
+        rows = grad.reshape(-1, grad.shape[-1])
+        grad_w = (rows.t() @ x.reshape(-1, x.shape[-1]).to(grad.dtype)).to(weight.dtype)
+        grad_b = rows.sum(0) if ctx.has_bias else None
+        work.wait()
+        return grad_x, grad_w, grad_b, None
+
+
 class _SplitLinear(nn.Module):
     """A linear whose weight is split along ``split_dim`` (0: output rows, 1: input columns)
     over ``group``; this rank keeps its piece."""
@@ -214,8 +243,12 @@ class ColumnParallelLinear(_SplitLinear):
         grain: int = 1,
         layout: SplitLayout | None = None,
         replicas: CommGroup | None = None,
+        overlap_comm: bool = False,
     ) -> None:
         super().__init__(linear, group, layout, grain, replicas)
+        #: all-reduce the input gradient while computing the weight gradient (one all-reduce
+        #: per linear) instead of one shared all-reduce per input (``tp_overlap_comm``)
+        self.overlap_comm = overlap_comm
         if gather_output and not _contiguous(self.layout):
             raise ValueError(
                 "gather_output needs each rank to hold one contiguous range of the output "
@@ -227,8 +260,12 @@ class ColumnParallelLinear(_SplitLinear):
             sum_gradient_over(self.bias, replicas)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = _shared_copy(x, self.group)
-        y = nn.functional.linear(x, self._linear_weight(), self.bias)
+        if self.overlap_comm and self.group.partitioned and torch.is_grad_enabled():
+            y: torch.Tensor = _OverlappedColumnLinear.apply(
+                x, self._linear_weight(), self.bias, self.group
+            )
+        else:
+            y = nn.functional.linear(_shared_copy(x, self.group), self._linear_weight(), self.bias)
         if self.gather_output:
             y = gather_from_tensor_parallel(y, self.group, self.widths)
         return y

@@ -192,3 +192,33 @@ def autotp_parity_cases(cases: list[tuple[str, int, int, int]]) -> list[dict[str
 def autotp_composition_cases(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Every ``train_and_compare`` keyword set in ``cases``, one after another."""
     return [train_and_compare(**case) for case in cases]
+
+
+def autotp_surface() -> dict[str, Any]:
+    """DeepSpeed's AutoTP group queries at TP 2 x DP 2, the first-forward input check (inputs
+    that differ across a tensor-parallel group are refused on every rank; equal ones pass)."""
+    from shardspeed.runtime.tensor_parallel.input_check import TensorParallelInputError
+    from shardspeed.utils import groups
+
+    out: dict[str, Any] = {}
+    model = tiny_model("llama")
+    engine, *_ = shardspeed.initialize(model=model, config=_config(2, 0, 1, 1.0))
+    out["groups"] = (
+        groups.get_tensor_model_parallel_world_size(),
+        groups.get_tensor_model_parallel_rank(),
+        groups.get_tensor_model_parallel_src_rank(),
+        groups.get_data_parallel_world_size(),
+        groups.get_data_parallel_rank(),
+        engine.dp_world_size,
+    )
+    rows = batches(1, MICRO)[0] + 0
+    mine = (rows + dist.get_rank()) % VOCAB  # a loader sharded by global rank
+    try:
+        engine(input_ids=mine, labels=mine)
+        out["mismatch"] = None
+    except TensorParallelInputError as error:
+        out["mismatch"] = str(error)
+    engine, *_ = shardspeed.initialize(model=tiny_model("llama"), config=_config(2, 0, 1, 1.0))
+    mine = (rows + current_topology().local_rank("dp")) % VOCAB  # by data-parallel rank
+    out["same"] = float(engine(input_ids=mine, labels=mine).loss)
+    return out

@@ -72,6 +72,17 @@ COMPOSITION = [
     # Phi-3: fused qkv_proj / gate_up_proj; the Hugging Face plan gathers their outputs, the
     # preset splits them in (q, kv, kv) and (gate, up) parts
     dict(kind="phi3", tp=2, stage=1),
+    # tp_overlap_comm: each column linear all-reduces its input gradient while computing its
+    # weight gradient (Conv1D's transposed weight, biases, shared key/value heads)
+    dict(kind="llama", tp=2, stage=1, extra={"tensor_parallel": {"tp_overlap_comm": True}}),
+    dict(
+        kind="gpt2",
+        tp=4,
+        stage=2,
+        reseed=True,
+        extra={"tensor_parallel": {"tp_overlap_comm": True}},
+    ),
+    dict(kind="qwen2", tp=4, stage=3, extra={"tensor_parallel": {"tp_overlap_comm": True}}),
     dict(kind="phi3", tp=2, stage=3, extra={"tensor_parallel": {"preset_model": "phi3"}}),
     # custom specs replace the plan: only attention is split, the MLP stays whole
     dict(
@@ -114,3 +125,15 @@ def test_autotp_composes_with_dropout_checkpointing_offload_clipping_and_specs(d
         for start in range(0, 4, tp):
             group = [results[r][index]["tp_losses"] for r in range(start, start + tp)]
             assert all(losses == group[0] for losses in group), case
+
+
+@pytest.mark.timeout(200)
+def test_group_queries_and_the_first_forward_input_check(dist_pool) -> None:
+    results = dist_pool(4).run(autotp_ranks.autotp_surface, timeout_s=180)
+    for rank, got in enumerate(results):
+        tp_rank, dp_rank = rank % 2, rank // 2
+        assert got["groups"] == (2, tp_rank, rank - tp_rank, 2, dp_rank, 2)
+        assert got["mismatch"] is not None, "every rank refuses, not only the odd one"
+        assert got["mismatch"].startswith("Data inconsistency within the TP group")
+        assert "engine.dp_rank" in got["mismatch"]
+        assert got["same"] > 0

@@ -115,3 +115,24 @@ def test_errors_name_what_does_not_fit() -> None:
     )
     with pytest.raises(ValueError, match=r"strict_mode.*model\.layers\.0\.self_attn\.k_proj"):
         build_training_plan(model, 2, specs=strict)
+
+
+def test_initialize_refuses_what_autotp_does_not_combine_with() -> None:
+    from types import SimpleNamespace
+
+    from shardspeed.config import DeepSpeedConfig
+    from shardspeed.runtime.assembly import check_tensor_parallel
+
+    config = DeepSpeedConfig(
+        {"train_micro_batch_size_per_gpu": 1, "tensor_parallel": {"autotp_size": 2}},
+        dp_world_size=1,
+    )
+    model = torch.nn.Linear(4, 4)
+    grid = SimpleNamespace(parallel_topology=object())  # a PipelineModule's grid
+    with pytest.raises(NotImplementedError, match="autotp_size=2 with a PipelineModule"):
+        check_tensor_parallel(config, model, grid)
+    model.weight.ds_id = 0  # built under zero.Init: partitioned already
+    with pytest.raises(NotImplementedError, match="built under zero.Init"):
+        check_tensor_parallel(config, model, None)
+    plain = DeepSpeedConfig({"train_micro_batch_size_per_gpu": 1}, dp_world_size=1)
+    check_tensor_parallel(plain, model, grid)  # no AutoTP: nothing to refuse
