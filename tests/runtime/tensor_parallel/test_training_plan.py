@@ -136,3 +136,38 @@ def test_initialize_refuses_what_autotp_does_not_combine_with() -> None:
         check_tensor_parallel(config, model, None)
     plain = DeepSpeedConfig({"train_micro_batch_size_per_gpu": 1}, dp_world_size=1)
     check_tensor_parallel(plain, model, grid)  # no AutoTP: nothing to refuse
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(8, 16)
+        self.down = torch.nn.Linear(16, 8)
+
+
+class _Custom(torch.nn.Module):
+    """A model with its own ``_tp_plan`` on a child (no ``tp_plan`` property): the plan is
+    collected with the child's prefix, layer numbers as ``*``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_Block(), _Block()])
+        self.blocks._tp_plan = {"*.up": "colwise", "*.down": "rowwise"}
+        self.head = torch.nn.Linear(8, 4)
+
+
+def test_a_plan_on_a_child_is_found_with_its_prefix() -> None:
+    model = _Custom()
+    assert hf_tp_plan(model) == {"blocks.*.up": "colwise", "blocks.*.down": "rowwise"}
+    plan = build_training_plan(model, 2)
+    assert plan.source == "tp_plan"
+    assert {n: s.kind for n, s in plan.splits.items()} == {
+        "blocks.0.up": "column",
+        "blocks.0.down": "row",
+        "blocks.1.up": "column",
+        "blocks.1.down": "row",
+    }
+    assert plan.replicated == ["head"]
+    model.blocks._tp_plan = {"*.up": "local_colwise", "*.down": "rowwise"}
+    with pytest.raises(ValueError, match=r"blocks\.0\.up.*'local_colwise'"):
+        build_training_plan(model, 2)
