@@ -35,17 +35,19 @@ def _check(results: list[list[dict]], cases: list[tuple[str, int, int, int]], wo
 
 @pytest.mark.timeout(400)
 def test_tp2_alone_equals_the_whole_model(dist_pool) -> None:
-    cases = [("llama", 2, 0, 1), ("qwen2", 2, 1, 2), ("llama", 2, 3, 1)]
+    cases = [("llama", 2, 0, 1), ("qwen2", 2, 1, 2), ("qwen2", 2, 2, 1), ("llama", 2, 3, 1)]
     _check(dist_pool(2).run(autotp_ranks.autotp_parity_cases, cases, timeout_s=380), cases, 2)
 
 
 @pytest.mark.timeout(600)
 def test_tp_with_data_parallel_zero_equals_the_whole_model(dist_pool) -> None:
-    cases = [
+    cases = [  # every ZeRO stage at each shape, the two models alternating
+        ("qwen2", 2, 0, 1),
         ("llama", 2, 1, 1),  # TP 2 x DP 2
         ("qwen2", 2, 2, 1),
         ("llama", 2, 3, 2),
         ("qwen2", 4, 0, 1),  # TP 4: 2 key/value heads, each kept by 2 ranks
+        ("llama", 4, 1, 2),
         ("llama", 4, 2, 1),
         ("qwen2", 4, 3, 1),  # where DeepSpeed 0.19.8 fails (zero-row attention shards)
     ]
