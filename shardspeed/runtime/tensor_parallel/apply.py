@@ -21,6 +21,7 @@ from shardspeed.comm.parallel_topology import ParallelTopology
 from shardspeed.runtime.tensor_parallel.input_check import check_inputs_once
 from shardspeed.runtime.tensor_parallel.layers import (
     ColumnParallelLinear,
+    PieceSource,
     RowParallelLinear,
     VocabParallelEmbedding,
     sum_gradient_over,
@@ -50,16 +51,24 @@ def _broadcast(tensor: torch.Tensor, group: CommGroup, device: torch.device) -> 
             tensor.copy_(moved.to(tensor.device))
 
 
-def _agree_on_start(model: nn.Module, group: CommGroup, device: torch.device) -> None:
-    """Every rank of ``group`` takes rank 0's whole weights, buffers and random state: the
-    pieces must come from one model, and dropout outside split regions must draw the same."""
+def _agree_on_start(
+    model: nn.Module, group: CommGroup, device: torch.device, split: set[int]
+) -> None:
+    """Every rank of ``group`` takes rank 0's weights, buffers and random state: the pieces
+    must come from one model, and dropout outside split regions must draw the same. The
+    parameters in ``split`` (ids) are not sent whole: each rank receives its piece of rank 0's
+    as it is split (:func:`_rank0_piece`), and never reads its own whole copy."""
     for tensor in [*model.parameters(), *model.buffers()]:
         if tensor.is_meta:
             raise ValueError(
                 "AutoTP training needs the model's weights: a parameter is on the meta device "
                 "(load or initialise the model before deepspeed.initialize)"
             )
-        _broadcast(tensor.data, group, device)
+        if id(tensor) not in split:
+            _broadcast(tensor.data, group, device)
+            # a copy of its own: a tensor still viewing the loaded file's memory map would keep
+            # the whole map, every page rank 0 read to cut the pieces, resident
+            tensor.data = tensor.data.clone()
     state = torch.get_rng_state()
     _broadcast(state, group, device)
     torch.set_rng_state(state)
@@ -68,6 +77,39 @@ def _agree_on_start(model: nn.Module, group: CommGroup, device: torch.device) ->
         device_state = accelerator.get_rng_state()
         _broadcast(device_state, group, device)
         accelerator.set_rng_state(device_state)
+
+
+def _rank0_piece(group: CommGroup, device: torch.device) -> PieceSource:
+    """A piece source handing each rank its piece of rank 0's whole tensor (rank 0 cuts and
+    sends every rank's; the others receive only theirs)."""
+
+    def source(whole: torch.Tensor, layout: SplitLayout, rank: int) -> torch.Tensor:
+        mine = None
+        for member in range(group.world_size):
+            if group.rank == 0:
+                buffer = layout.take(whole, member).contiguous().to(device, copy=True)
+            else:
+                buffer = torch.empty(layout.local_shape(member), dtype=whole.dtype, device=device)
+            group.broadcast(buffer)
+            if member == rank:
+                mine = buffer
+        assert mine is not None
+        return mine.to(whole.device)
+
+    return source
+
+
+def _split_parameters(model: nn.Module, plan: TrainingPlan) -> set[int]:
+    """Ids of the parameters the plan splits (their pieces come from rank 0 one by one)."""
+    ids = set()
+    for name, split in plan.splits.items():
+        module = model.get_submodule(name)
+        names = {"column": ("weight", "bias"), "row": ("weight",), "vocab": ("weight",)}
+        for attr in names.get(split.kind, ()):
+            value = getattr(module, attr, None)
+            if isinstance(value, torch.Tensor):
+                ids.add(id(value))
+    return ids
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -109,8 +151,9 @@ def apply_tensor_parallel(
     """Split ``model`` in place over ``topology``'s ``tp`` group (see the module docs)."""
     group = CommGroup.of(topology.group("tp"))
     device = torch.device(get_accelerator().current_device_name())
-    _agree_on_start(model, group, device)
     plan = build_training_plan(model, group.world_size, grain=grain, specs=specs)
+    _agree_on_start(model, group, device, _split_parameters(model, plan))
+    source = _rank0_piece(group, device)
     replicas = _Replicas(topology)
     # embeddings first: a head tied to one adopts its already split weight
     order = sorted(plan.splits.items(), key=lambda item: item[1].kind != "vocab")
@@ -119,7 +162,7 @@ def apply_tensor_parallel(
         new: nn.Module
         if split.kind == "vocab":
             assert isinstance(module, nn.Embedding)
-            new = VocabParallelEmbedding(module, group)
+            new = VocabParallelEmbedding(module, group, source=source)
         elif split.kind == "column":
             new = ColumnParallelLinear(
                 module,
@@ -128,6 +171,7 @@ def apply_tensor_parallel(
                 layout=split.layout,
                 replicas=replicas.of(split.layout, group.rank),
                 overlap_comm=overlap_comm,
+                source=source,
             )
         elif split.kind == "row":
             new = RowParallelLinear(
@@ -135,6 +179,7 @@ def apply_tensor_parallel(
                 group,
                 input_is_parallel=split.input_is_parallel,
                 layout=split.layout,
+                source=source,
             )
         else:  # replicated, each rank's gradient a share: summed over the group
             for param in module.parameters(recurse=False):

@@ -26,7 +26,7 @@ ranks than there are heads): their gradients are then summed over those ranks
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -46,6 +46,8 @@ __all__ = [
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "even_layout",
+    "PieceSource",
+    "own_piece",
     "sum_gradient_over",
     "split_widths",
     "tp_layout_of",
@@ -85,14 +87,26 @@ def sum_gradient_over(param: nn.Parameter, replicas: CommGroup | None) -> None:
     param.register_hook(_sum)
 
 
-def _adopt(param: torch.Tensor, layout: SplitLayout, rank: int) -> nn.Parameter:
+#: ``(whole tensor, layout, rank) -> this rank's piece``: where a split takes its piece from
+#: (default: this rank's own whole tensor; AutoTP passes one that receives rank 0's)
+PieceSource = Callable[[torch.Tensor, SplitLayout, int], torch.Tensor]
+
+
+def own_piece(whole: torch.Tensor, layout: SplitLayout, rank: int) -> torch.Tensor:
+    """This rank's piece of its own whole tensor (a copy)."""
+    return layout.take(whole, rank).contiguous().clone()
+
+
+def _adopt(
+    param: torch.Tensor, layout: SplitLayout, rank: int, source: PieceSource = own_piece
+) -> nn.Parameter:
     """``param`` (whole, or already split by this layout: a tied weight) as this rank's piece."""
     if not isinstance(param, nn.Parameter):
         raise TypeError(f"AutoTP splits parameters; got a {type(param).__name__}")
     if getattr(param, "tp_layout", None) == layout:
         return param
     with torch.no_grad():
-        param.data = layout.take(param.data, rank).contiguous().clone()
+        param.data = source(param.data, layout, rank)
     param.tensor_model_parallel = True  # type: ignore[attr-defined]
     param.tp_layout = layout  # type: ignore[attr-defined]
     replicas = next(s for s in layout.replica_sets() if rank in s)
@@ -189,6 +203,7 @@ class _SplitLinear(nn.Module):
         layout: SplitLayout | None,
         grain: int,
         replicas: CommGroup | None,
+        source: PieceSource = own_piece,
     ) -> None:
         super().__init__()
         self.group = group
@@ -218,7 +233,7 @@ class _SplitLinear(nn.Module):
         self.layout = layout
         self.widths = tuple(piece.size for piece in layout.pieces)
         stored = _transposed(layout) if self.transposed else layout
-        self.weight = _adopt(weight, stored, group.rank)
+        self.weight = _adopt(weight, stored, group.rank, source)
         sum_gradient_over(self.weight, replicas)
         self.bias: nn.Parameter | None = None
 
@@ -244,8 +259,9 @@ class ColumnParallelLinear(_SplitLinear):
         layout: SplitLayout | None = None,
         replicas: CommGroup | None = None,
         overlap_comm: bool = False,
+        source: PieceSource = own_piece,
     ) -> None:
-        super().__init__(linear, group, layout, grain, replicas)
+        super().__init__(linear, group, layout, grain, replicas, source)
         #: all-reduce the input gradient while computing the weight gradient (one all-reduce
         #: per linear) instead of one shared all-reduce per input (``tp_overlap_comm``)
         self.overlap_comm = overlap_comm
@@ -256,7 +272,7 @@ class ColumnParallelLinear(_SplitLinear):
             )
         self.gather_output = gather_output
         if isinstance(linear.bias, torch.Tensor):
-            self.bias = _adopt(linear.bias, _bias_layout(self.layout), group.rank)
+            self.bias = _adopt(linear.bias, _bias_layout(self.layout), group.rank, source)
             sum_gradient_over(self.bias, replicas)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -293,8 +309,9 @@ class RowParallelLinear(_SplitLinear):
         input_is_parallel: bool = True,
         grain: int = 1,
         layout: SplitLayout | None = None,
+        source: PieceSource = own_piece,
     ) -> None:
-        super().__init__(linear, group, layout, grain, None)
+        super().__init__(linear, group, layout, grain, None, source)
         if not input_is_parallel and not _contiguous(self.layout):
             raise ValueError(
                 "a row-parallel linear taking the whole input needs contiguous input ranges "
@@ -324,7 +341,13 @@ class VocabParallelEmbedding(nn.Module):
     in its range, zeros for the others, and the rows are added over the group (one all-reduce
     forward; each rank's gradient is its rows')."""
 
-    def __init__(self, embedding: nn.Embedding, group: CommGroup, grain: int = 1) -> None:
+    def __init__(
+        self,
+        embedding: nn.Embedding,
+        group: CommGroup,
+        grain: int = 1,
+        source: PieceSource = own_piece,
+    ) -> None:
         super().__init__()
         if embedding.max_norm is not None or embedding.sparse:
             raise ValueError(
@@ -336,7 +359,7 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings = embedding.num_embeddings
         self.embedding_dim = embedding.embedding_dim
         self.layout = even_layout(tuple(embedding.weight.shape), 0, group, grain)
-        self.weight = _adopt(embedding.weight, self.layout, group.rank)
+        self.weight = _adopt(embedding.weight, self.layout, group.rank, source)
         ((self.start, self.stop),) = self.layout.pieces[group.rank].pieces
         pad = embedding.padding_idx
         self.padding_idx = (

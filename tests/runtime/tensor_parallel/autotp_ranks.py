@@ -221,4 +221,12 @@ def autotp_surface() -> dict[str, Any]:
     engine, *_ = shardspeed.initialize(model=tiny_model("llama"), config=_config(2, 0, 1, 1.0))
     mine = (rows + current_topology().local_rank("dp")) % VOCAB  # by data-parallel rank
     out["same"] = float(engine(input_ids=mine, labels=mine).loss)
+    # every rank built its model from another seed: each tensor-parallel group splits its rank
+    # 0's, and the data-parallel broadcast makes them all global rank 0's
+    engine, *_ = shardspeed.initialize(
+        model=tiny_model("qwen2", seed=dist.get_rank()), config=_config(2, 3, 1, 1.0)
+    )
+    got = full_parameters(engine)
+    want = dict(tiny_model("qwen2", seed=0).named_parameters())
+    out["agreed"] = max(float((got[n] - p.detach()).abs().max()) for n, p in want.items())
     return out

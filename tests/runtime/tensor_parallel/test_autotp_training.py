@@ -139,3 +139,5 @@ def test_group_queries_and_the_first_forward_input_check(dist_pool) -> None:
         assert got["mismatch"].startswith("Data inconsistency within the TP group")
         assert "engine.dp_rank" in got["mismatch"]
         assert got["same"] > 0
+        # built from rank-dependent seeds, every rank trains rank 0's model
+        assert got["agreed"] == 0.0
