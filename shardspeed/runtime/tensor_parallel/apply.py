@@ -20,6 +20,7 @@ from shardspeed.accelerator import get_accelerator
 from shardspeed.comm.parallel_topology import ParallelTopology
 from shardspeed.runtime.tensor_parallel.input_check import check_inputs_once
 from shardspeed.runtime.tensor_parallel.layers import (
+    SHARED_COPIES,
     ColumnParallelLinear,
     PieceSource,
     RowParallelLinear,
@@ -192,6 +193,8 @@ def apply_tensor_parallel(
         _localise_config(model.get_submodule(name), plan)
     if group.partitioned:
         check_inputs_once(model, group, device)
+        model.register_forward_pre_hook(lambda *_: SHARED_COPIES.begin())
+        model.register_forward_hook(lambda *_: SHARED_COPIES.end())
     return TensorParallelModel(group, plan)
 
 

@@ -47,6 +47,8 @@ __all__ = [
     "VocabParallelEmbedding",
     "even_layout",
     "PieceSource",
+    "SHARED_COPIES",
+    "SharedCopies",
     "own_piece",
     "sum_gradient_over",
     "split_widths",
@@ -139,26 +141,44 @@ def _contiguous(layout: SplitLayout) -> bool:
     return end == layout.full_shape[layout.dim]
 
 
-#: id(input) -> (the input, weakly; its copy into the tensor-parallel region; the group). An
-#: entry lives as long as its input does (a finalizer drops it).
-_COPIES: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor, CommGroup]] = {}
+class SharedCopies:
+    """Column-parallel linears fed the same input (q, k and v; gate and up) share one copy of
+    it into the tensor-parallel region, so autograd adds their input gradients before the one
+    all-reduce instead of all-reducing each (3 + 2 per layer to 1 + 1).
+
+    Sharing is on only inside a model's forward (``begin`` / ``end``, hooks on the root module
+    that AutoTP installs): the copies are dropped when it returns, so none outlives its step
+    (a copy is a view that keeps its input alive). Outside it (activation-checkpoint
+    recomputation, a layer called on its own) every linear makes its own copy: the same
+    gradients, one all-reduce each."""
+
+    def __init__(self) -> None:
+        self.active = False
+        #: id(input) -> (the input, weakly; its copy; the group)
+        self.entries: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor, CommGroup]] = {}
+
+    def begin(self) -> None:
+        self.entries.clear()
+        self.active = True
+
+    def end(self) -> None:
+        self.entries.clear()
+        self.active = False
+
+    def copy(self, x: torch.Tensor, group: CommGroup) -> torch.Tensor:
+        """``x`` entering ``group``'s region: the copy made for it earlier in this forward."""
+        if not self.active or not x.requires_grad or not group.partitioned:
+            return copy_to_tensor_parallel(x, group)
+        entry = self.entries.get(id(x))
+        if entry is not None and entry[0]() is x and entry[2] == group:
+            return entry[1]
+        copied = copy_to_tensor_parallel(x, group)
+        self.entries[id(x)] = (weakref.ref(x), copied, group)
+        return copied
 
 
-def _shared_copy(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
-    """``x`` entering the tensor-parallel region, once per tensor: column-parallel linears fed
-    the same input (q, k and v; gate and up) share one copy, so autograd adds their input
-    gradients before the one all-reduce instead of all-reducing each (3 + 2 per layer to 1 + 1).
-    """
-    if not x.requires_grad or not group.partitioned:
-        return copy_to_tensor_parallel(x, group)
-    key = id(x)
-    entry = _COPIES.get(key)
-    if entry is not None and entry[0]() is x and entry[2] == group:
-        return entry[1]
-    copied = copy_to_tensor_parallel(x, group)
-    _COPIES[key] = (weakref.ref(x), copied, group)
-    weakref.finalize(x, _COPIES.pop, key, None)
-    return copied
+#: the process's shared copies (one forward runs at a time)
+SHARED_COPIES = SharedCopies()
 
 
 class _OverlappedColumnLinear(torch.autograd.Function):
@@ -281,7 +301,9 @@ class ColumnParallelLinear(_SplitLinear):
                 x, self._linear_weight(), self.bias, self.group
             )
         else:
-            y = nn.functional.linear(_shared_copy(x, self.group), self._linear_weight(), self.bias)
+            y = nn.functional.linear(
+                SHARED_COPIES.copy(x, self.group), self._linear_weight(), self.bias
+            )
         if self.gather_output:
             y = gather_from_tensor_parallel(y, self.group, self.widths)
         return y

@@ -221,6 +221,18 @@ def autotp_surface() -> dict[str, Any]:
     engine, *_ = shardspeed.initialize(model=tiny_model("llama"), config=_config(2, 0, 1, 1.0))
     mine = (rows + current_topology().local_rank("dp")) % VOCAB  # by data-parallel rank
     out["same"] = float(engine(input_ids=mine, labels=mine).loss)
+    # one training step's tensor-parallel traffic: 2 all-reduces forward and 2 backward per
+    # layer (q/k/v and gate/up share one input copy each), the embedding's forward one, the
+    # head input's backward one, one all-gather of the logits; no copy outlives the forward
+    from shardspeed import comm
+    from shardspeed.runtime.tensor_parallel.layers import SHARED_COPIES
+
+    comm.reset_comm_volume()
+    loss = engine(input_ids=mine, labels=mine).loss
+    engine.backward(loss)
+    volume = comm.get_comm_volume()
+    out["traffic"] = {op: v["count"] for op, v in volume.items()}
+    out["copies_left"] = len(SHARED_COPIES.entries)
     # every rank built its model from another seed: each tensor-parallel group splits its rank
     # 0's, and the data-parallel broadcast makes them all global rank 0's
     engine, *_ = shardspeed.initialize(

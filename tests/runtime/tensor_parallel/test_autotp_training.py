@@ -139,5 +139,9 @@ def test_group_queries_and_the_first_forward_input_check(dist_pool) -> None:
         assert got["mismatch"].startswith("Data inconsistency within the TP group")
         assert "engine.dp_rank" in got["mismatch"]
         assert got["same"] > 0
+        # 2 layers: 4 x 2 + 2 all-reduces over the tensor group, 1 over the data-parallel
+        # group (the gradients at ZeRO 0), 1 all-gather of the logits
+        assert got["traffic"] == {"all_reduce": 11, "all_gather_into_tensor": 1}
+        assert got["copies_left"] == 0
         # built from rank-dependent seeds, every rank trains rank 0's model
         assert got["agreed"] == 0.0
