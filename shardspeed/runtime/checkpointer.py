@@ -172,6 +172,7 @@ def save_module_weights(
         return False
     if moe_checkpoint.has_experts(engine.module):  # every expert, from the peers holding it
         weights = moe_checkpoint.whole_model_weights(engine.module, weights)
+    weights = engine.whole_tensor_parallel(weights)  # AutoTP pieces joined (a collective)
     if engine.global_rank == 0:
         Path(save_dir).mkdir(parents=True, exist_ok=True)
         weights = {k: v.detach().cpu() for k, v in weights.items()}

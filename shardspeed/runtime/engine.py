@@ -20,15 +20,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from shardspeed import comm
 from shardspeed.accelerator import get_accelerator
-from shardspeed.checkpoint.file_writer import save_file
 from shardspeed.runtime import checkpointer
 from shardspeed.runtime.checkpoint_format import CheckpointFormat
 from shardspeed.runtime.checkpoint_writer import PendingSave
@@ -325,23 +322,9 @@ class DeepSpeedEngine(EngineQueries, EngineStateVerbs, ModuleAttributes, nn.Modu
         """Save the model weights in their training dtype, whole (rank 0 writes; every rank
         calls it: ZeRO-3 partitions and AutoTP pieces are gathered). False when ZeRO-3 is not
         allowed to gather (``stage3_gather_16bit_weights_on_model_save`` false)."""
-        if self.tensor_parallel is None:
-            return checkpointer.save_module_weights(
-                self, save_dir, save_filename, exclude_frozen_parameters
-            )
-        weights = self.strategy.weights_for_save(
-            exclude_frozen_parameters, self.zero_gather_16bit_weights_on_model_save()
+        return checkpointer.save_module_weights(
+            self, save_dir, save_filename, exclude_frozen_parameters
         )
-        if weights is None:
-            return False
-        weights = self.whole_tensor_parallel(weights)
-        if self.global_rank == 0:
-            Path(save_dir).mkdir(parents=True, exist_ok=True)
-            weights = {k: v.detach().cpu() for k, v in weights.items()}
-            save_file(weights, Path(save_dir), save_filename)
-        if comm.get_world_size() > 1:
-            comm.barrier()
-        return True
 
     def wait_for_checkpoint(self) -> None:
         """Wait until the checkpoint being written in the background (``checkpoint.writer

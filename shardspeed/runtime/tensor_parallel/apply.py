@@ -42,14 +42,12 @@ class TensorParallelModel:
     plan: TrainingPlan
 
 
-def _broadcast(tensor: torch.Tensor, group: CommGroup, device: torch.device) -> None:
-    """``tensor`` in place from the group's rank 0 (through ``device``: NCCL has no host
-    tensors)."""
-    moved = tensor.detach().to(device)
-    group.broadcast(moved)
-    if moved is not tensor:
-        with torch.no_grad():
-            tensor.copy_(moved.to(tensor.device))
+def _from_rank0(tensor: torch.Tensor, group: CommGroup, device: torch.device) -> torch.Tensor:
+    """A new tensor holding the group's rank 0's ``tensor`` (sent through ``device``: NCCL has
+    no host tensors), on ``tensor``'s device."""
+    copy = tensor.detach().to(device, copy=True)
+    group.broadcast(copy)
+    return copy.to(tensor.device)
 
 
 def _agree_on_start(
@@ -66,18 +64,13 @@ def _agree_on_start(
                 "(load or initialise the model before deepspeed.initialize)"
             )
         if id(tensor) not in split:
-            _broadcast(tensor.data, group, device)
             # a copy of its own: a tensor still viewing the loaded file's memory map would keep
             # the whole map, every page rank 0 read to cut the pieces, resident
-            tensor.data = tensor.data.clone()
-    state = torch.get_rng_state()
-    _broadcast(state, group, device)
-    torch.set_rng_state(state)
+            tensor.data = _from_rank0(tensor.data, group, device)
+    torch.set_rng_state(_from_rank0(torch.get_rng_state(), group, device))
     accelerator = get_accelerator()
     if accelerator.device_name() != "cpu":
-        device_state = accelerator.get_rng_state()
-        _broadcast(device_state, group, device)
-        accelerator.set_rng_state(device_state)
+        accelerator.set_rng_state(_from_rank0(accelerator.get_rng_state(), group, device))
 
 
 def _rank0_piece(group: CommGroup, device: torch.device) -> PieceSource:
@@ -100,13 +93,16 @@ def _rank0_piece(group: CommGroup, device: torch.device) -> PieceSource:
     return source
 
 
+#: the tensors each kind of split cuts (a row-parallel bias stays whole)
+_SPLIT_ATTRS = {"column": ("weight", "bias"), "row": ("weight",), "vocab": ("weight",)}
+
+
 def _split_parameters(model: nn.Module, plan: TrainingPlan) -> set[int]:
     """Ids of the parameters the plan splits (their pieces come from rank 0 one by one)."""
     ids = set()
     for name, split in plan.splits.items():
         module = model.get_submodule(name)
-        names = {"column": ("weight", "bias"), "row": ("weight",), "vocab": ("weight",)}
-        for attr in names.get(split.kind, ()):
+        for attr in _SPLIT_ATTRS.get(split.kind, ()):
             value = getattr(module, attr, None)
             if isinstance(value, torch.Tensor):
                 ids.add(id(value))
@@ -125,7 +121,7 @@ class _Replicas:
     def __init__(self, topology: ParallelTopology) -> None:
         self.topology = topology
 
-    def of(self, layout: SplitLayout | None, rank: int) -> CommGroup | None:
+    def of(self, layout: SplitLayout | None) -> CommGroup | None:
         if layout is None:
             return None
         sets = layout.replica_sets()
@@ -170,7 +166,7 @@ def apply_tensor_parallel(
                 group,
                 gather_output=split.gather_output,
                 layout=split.layout,
-                replicas=replicas.of(split.layout, group.rank),
+                replicas=replicas.of(split.layout),
                 overlap_comm=overlap_comm,
                 source=source,
             )
