@@ -28,6 +28,10 @@ from shardspeed.runtime.optimizer_setup import build_basic_optimizer, build_lr_s
 from shardspeed.runtime.precision.autocast import init_autocast_params
 from shardspeed.runtime.precision.loss_scaler import loss_scaler_for_policy
 from shardspeed.runtime.precision.policy import PrecisionPolicy
+from shardspeed.runtime.sequence_parallel.rules import (
+    check_sequence_parallel,
+    sequence_parallel_size,
+)
 from shardspeed.runtime.tensor_parallel.apply import TensorParallelModel, apply_tensor_parallel
 from shardspeed.runtime.train_state import TrainState
 from shardspeed.runtime.zero.comm_group import CommGroup
@@ -52,7 +56,7 @@ def check_tensor_parallel(config: DeepSpeedConfig, model: nn.Module, mpu: Any) -
     size = autotp_size(config)
     if size == 1:
         return
-    if getattr(mpu, "parallel_topology", None) is not None:
+    if hasattr(mpu, "get_pipe_parallel_world_size"):  # a PipelineModule's grid
         raise NotImplementedError(
             f"tensor_parallel.autotp_size={size} with a PipelineModule: tensor parallelism "
             "inside pipeline stages is not built in shardspeed; remove autotp_size or train "
@@ -100,21 +104,28 @@ def split_tensor_parallel(
     )
 
 
-def build_topology(mpu: Any, tp: int = 1) -> ParallelTopology:
+def build_topology(mpu: Any, tp: int = 1, sp: int = 1) -> ParallelTopology:
     """The job's topology (every rank calls it), made current for ``utils.groups``: the
-    ``mpu``'s grid (a pipeline module's grid brings its own), else ``tp`` tensor-parallel
-    ranks (AutoTP) and data parallelism over the rest. The current one is kept when it
-    already describes the same grid."""
+    ``mpu``'s grid (a pipeline module's grid, or sequence parallelism's ``parallel_state_sp``,
+    brings its own), else ``tp`` tensor-parallel ranks (AutoTP), ``sp`` sequence-parallel
+    ranks and data parallelism over the rest. The current one is kept when it already
+    describes the same grid."""
     current = current_topology()
     if getattr(current, "mpu", None) is mpu and (
         mpu is not None
-        or (current.size("tp") == tp and current.size("dp") * tp == comm.get_world_size())
+        or (
+            current.size("tp") == tp
+            and current.size("sp") == sp
+            and current.size("dp") * tp * sp == comm.get_world_size()
+        )
     ):
         return current
     topology = getattr(mpu, "parallel_topology", None) if mpu is not None else None
     if topology is None:
         topology = (
-            ParallelTopology.from_mpu(mpu) if mpu is not None else ParallelTopology.build(tp=tp)
+            ParallelTopology.from_mpu(mpu)
+            if mpu is not None
+            else ParallelTopology.build(tp=tp, sp=sp)
         )
     if mpu is not None and tp > 1 and topology.size("tp") != tp:
         raise ValueError(
@@ -136,7 +147,9 @@ def strategy_context(
     """What the ZeRO strategy needs from the config (and, for Mixture of Experts, ``model``:
     its MoE layers get their expert-parallel groups here)."""
     zero = config.zero_optimization
-    dp = CommGroup.of(topology.group("dp"))
+    # every rank holding the same parameters: the data-parallel ranks and, with sequence
+    # parallelism, the ranks splitting one sequence (DeepSpeed's sequence-data-parallel group)
+    dp = CommGroup.of(topology.group("dp", "sp"))
     comm_for = None
     if model is not None:
         comm_for = expert_comm_for(
@@ -224,7 +237,8 @@ def assemble(
     checkpointer.check_config(config)
     check_zero_config(config)
     check_tensor_parallel(config, model, mpu)
-    topology = build_topology(mpu, autotp_size(config))
+    check_sequence_parallel(config, mpu, comm.get_world_size())
+    topology = build_topology(mpu, autotp_size(config), sequence_parallel_size(config, mpu))
     tensor_parallel = split_tensor_parallel(config, model, topology)
     dp = CommGroup.of(topology.group("dp"))
     if config.expert_parallel.enabled:  # AutoEP: swap HF MoE blocks before ZeRO sees the model

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from shardspeed.accelerator import get_accelerator
+from shardspeed.comm.parallel_topology import current_topology
 from shardspeed.runtime import checkpointer
 from shardspeed.runtime.checkpoint_format import CheckpointFormat
 from shardspeed.runtime.checkpoint_writer import PendingSave
@@ -93,8 +94,15 @@ class DeepSpeedEngine(EngineQueries, EngineStateVerbs, ModuleAttributes, nn.Modu
         self.dp_world_size = parts.data_parallel.world_size
         self.dp_rank = parts.data_parallel.rank
         self.global_rank = parts.global_rank
-        if parts.topology is not None:
-            self.topology = parts.topology
+        self.topology = parts.topology if parts.topology is not None else current_topology()
+        #: DeepSpeed's names for sequence parallelism: the ranks splitting one sequence, and
+        #: every rank holding the same parameters (what ZeRO shards and averages over)
+        self.sequence_parallel_size = self.topology.size("sp")
+        self.seq_parallel_group = (
+            self.topology.group("sp") if self.sequence_parallel_size > 1 else None
+        )
+        self.seq_data_parallel_group = parts.strategy.ctx.data_parallel.group
+        self.seq_dp_world_size = parts.strategy.ctx.data_parallel.world_size
         #: what AutoTP training split (None without ``tensor_parallel.autotp_size``)
         self.tensor_parallel = parts.tensor_parallel
         self.strategy = parts.strategy

@@ -16,6 +16,7 @@ from shardspeed.runtime.engine import DeepSpeedEngine
 from shardspeed.runtime.pipe import assembly as pipe_assembly
 from shardspeed.runtime.pipe.engine import PipelineEngine
 from shardspeed.runtime.pipe.module import PipelineModule
+from shardspeed.runtime.sequence_parallel.rules import with_mesh_param
 from shardspeed.runtime.tensor_parallel.legacy import MODEL_ATTRIBUTE, merge_tp_settings
 from shardspeed.utils.logging import log_dist, warning_once
 from shardspeed.version import __git_branch__, __git_hash__, __version__
@@ -75,13 +76,13 @@ def _autotp_size(config: DeepSpeedConfig, model: nn.Module, mpu: Any) -> int:
     return merged.tp_size
 
 
-def _autotp_data_parallel(world: int, autotp: int) -> int:
-    if world % autotp:
+def _data_parallel_of(world: int, size: int, key: str) -> int:
+    if world % size:
         raise ValueError(
-            f"tensor_parallel.autotp_size={autotp} does not divide the world size {world}; "
-            f"launch a multiple of {autotp} ranks or choose an autotp_size that divides {world}"
+            f"{key}={size} does not divide the world size {world}; launch a multiple of "
+            f"{size} ranks or choose a {key} that divides {world}"
         )
-    return world // autotp
+    return world // size
 
 
 def _autotp_batch_config(
@@ -94,7 +95,7 @@ def _autotp_batch_config(
     a ``train_batch_size`` consistent over the whole world (``world_config`` solved it) is read
     as that count, and the real global batch (``micro * accumulation * data-parallel size``)
     replaces it."""
-    dp = _autotp_data_parallel(world, autotp)
+    dp = _data_parallel_of(world, autotp, "tensor_parallel.autotp_size")
     try:
         return DeepSpeedConfig(source, dp_world_size=dp)
     except BatchSizeError:
@@ -143,16 +144,15 @@ def initialize(
         raise MissingModelError(
             "deepspeed.initialize requires a model: pass model=<your torch.nn.Module>"
         )
-    if mesh_param is not None:
-        raise NotImplementedError(
-            "initialize(mesh_param=...) (sequence-parallel meshes) is not supported yet"
-        )
-    source = _config_source(args, config, config_params)
+    source, sp = with_mesh_param(_config_source(args, config, config_params), mesh_param)
     comm.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     pipeline = model if isinstance(model, PipelineModule) else None
     if pipeline is not None:
         mpu = pipe_assembly.pipeline_mpu(pipeline, mpu)
-    dp_world_size = mpu.get_data_parallel_world_size() if mpu is not None else comm.get_world_size()
+    if mpu is not None:
+        dp_world_size = mpu.get_data_parallel_world_size()
+    else:  # the sequence-parallel ranks of a group share one batch
+        dp_world_size = _data_parallel_of(comm.get_world_size(), sp, "sequence_parallel_size")
     ds_config = DeepSpeedConfig(source, mpu=mpu, dp_world_size=dp_world_size)
     autotp = _autotp_size(ds_config, model, mpu)
     if autotp > 1 and mpu is None:  # AutoTP: the batch is split over world / autotp ranks

@@ -259,9 +259,9 @@ class ZeroFormat(PlannedFormat["DeepSpeedEngine"]):
 
 
 def _first_data_parallel_rank(engine: DeepSpeedEngine) -> bool:
-    """Whether this rank is the first of its data-parallel group (it writes its
-    tensor-parallel rank's model states)."""
-    return engine.topology.local_rank("dp") == 0
+    """Whether this rank is the first of the ranks holding the same parameters (data and
+    sequence parallel): it writes its tensor-parallel rank's model states."""
+    return engine.topology.local_rank("dp", "sp") == 0
 
 
 def _in_expert_layout(engine: DeepSpeedEngine, state: dict[str, Any]) -> bool:
