@@ -11,6 +11,7 @@ shard losses weighted by their good (not -100) tokens."""
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -230,4 +231,62 @@ def toy_cases(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
         prepare = _toy_prepare_mpu if case.pop("via", "config") == "mpu" else _toy_prepare
         torch.manual_seed(0)
         out.append(train_and_compare(ToyAttentionModel, _toy_forward, prepare, **case))
+    return out
+
+
+# ---------------------------------------------------------------- Hugging Face models
+def tiny_hf_model(kind: str, heads: int = 4, kv_heads: int = 2) -> nn.Module:
+    """A two-layer Llama (untied head) or Qwen2 (biased q/k/v, tied head) from a config;
+    ``heads`` query heads of width 8 and ``kv_heads`` key/value heads."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=8 * heads,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=SEQ,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    if kind == "llama":
+        return LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False))
+    return Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=True))
+
+
+def _hf_prepare(model: nn.Module, sp: int) -> Any:
+    """DeepSpeed's ALST set-up: the attention registered with Transformers, its mpu passed."""
+    from shardspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    return UlyssesSPAttentionHF.register_with_transformers(
+        model_name_or_path=model,
+        core_attn_implementation="sdpa",
+        sequence_parallel_size=sp,
+        micro_batch_size=MICRO,
+        seq_length=SEQ,
+        seq_length_is_variable=True,
+    )
+
+
+def _hf_forward(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    labels = batch["shift_labels"]
+    return model(
+        input_ids=batch["input_ids"],
+        position_ids=batch["position_ids"],
+        labels=labels,
+        shift_labels=labels,
+    ).loss
+
+
+def hf_cases(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every ``train_and_compare`` keyword set in ``cases`` (plus ``kind``, ``heads``,
+    ``kv_heads``) on a Hugging Face model with ``UlyssesSPAttentionHF``."""
+    out = []
+    for case in cases:
+        case = dict(case)
+        kind, heads, kv = case.pop("kind"), case.pop("heads", 4), case.pop("kv_heads", 2)
+        build = functools.partial(tiny_hf_model, kind, heads, kv)
+        out.append(train_and_compare(build, _hf_forward, _hf_prepare, **case))
     return out

@@ -44,3 +44,37 @@ def test_toy_attention_sp4_and_sp2_by_dp2(dist_pool) -> None:
         dict(sp=2, stage=3),
     ]
     _check(dist_pool(4).run(sp_engine_ranks.toy_cases, cases, timeout_s=380), cases)
+
+
+@pytest.mark.timeout(400)
+def test_hf_llama_and_qwen2_sp2(dist_pool) -> None:
+    """Ulysses over 2 ranks (4 query, 2 key/value heads: one of each per rank)."""
+    cases = [
+        dict(kind="llama", sp=2, stage=2),
+        dict(kind="qwen2", sp=2, stage=3),
+        dict(kind="llama", sp=2, stage=3, gas=2),
+        dict(
+            kind="qwen2",
+            sp=2,
+            stage=2,
+            extra={"zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
+        ),
+    ]
+    _check(dist_pool(2).run(sp_engine_ranks.hf_cases, cases, timeout_s=380), cases)
+
+
+@pytest.mark.timeout(600)
+def test_hf_sp4_sp2_by_dp2_and_the_ring_fallback(dist_pool) -> None:
+    cases = [
+        # sp 4 > 2 key/value heads: each kept by 2 ranks
+        dict(kind="llama", sp=4, stage=2),
+        dict(kind="qwen2", sp=4, stage=3),
+        # 2 sequence-parallel x 2 data-parallel ranks
+        dict(kind="qwen2", sp=2, stage=2),
+        dict(kind="llama", sp=2, stage=3),
+        # 6 query heads, 2 key/value heads at sp 4: Ulysses over 2 ranks x ring over 2
+        dict(kind="llama", sp=4, stage=3, heads=6, kv_heads=2),
+        # 3 query heads at sp 2: the ring alone
+        dict(kind="qwen2", sp=2, stage=2, heads=3, kv_heads=1, steps=5),
+    ]
+    _check(dist_pool(4).run(sp_engine_ranks.hf_cases, cases, timeout_s=580), cases)
