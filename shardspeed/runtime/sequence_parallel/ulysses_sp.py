@@ -6,6 +6,7 @@ The names live in their own modules and are re-exported here, DeepSpeed's import
 
 from __future__ import annotations
 
+from shardspeed.runtime.sequence_parallel.dataloader_adapter import UlyssesSPDataLoaderAdapter
 from shardspeed.runtime.sequence_parallel.tiled_compute import (
     SequenceTiledCompute,
     TiledFusedLogitsLoss,
@@ -17,5 +18,6 @@ __all__: list[str] = [
     "SequenceTiledCompute",
     "TiledFusedLogitsLoss",
     "TiledMLP",
+    "UlyssesSPDataLoaderAdapter",
     "sequence_tiled_compute",
 ]
