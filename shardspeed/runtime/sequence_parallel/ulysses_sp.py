@@ -7,6 +7,7 @@ The names live in their own modules and are re-exported here, DeepSpeed's import
 from __future__ import annotations
 
 from shardspeed.runtime.sequence_parallel.dataloader_adapter import UlyssesSPDataLoaderAdapter
+from shardspeed.runtime.sequence_parallel.fwd_loss_bwd import UlyssesSPFwdLossBwdWithLogits
 from shardspeed.runtime.sequence_parallel.tiled_compute import (
     SequenceTiledCompute,
     TiledFusedLogitsLoss,
@@ -19,5 +20,6 @@ __all__: list[str] = [
     "TiledFusedLogitsLoss",
     "TiledMLP",
     "UlyssesSPDataLoaderAdapter",
+    "UlyssesSPFwdLossBwdWithLogits",
     "sequence_tiled_compute",
 ]
