@@ -372,14 +372,8 @@ class TiledMLP(torch.autograd.Function):
     recomputed tile by tile in backward. ``fn`` must treat positions independently (an MLP).
 
     ``TiledMLP.apply(fn, self, x, shards, compute_params)``; ``compute_params`` (may be
-    ``None``): the parameters ``fn`` uses, gathered once per pass under ZeRO-3. A monkey patch
-    of Hugging Face's ``LlamaMLP.forward`` looks like DeepSpeed's::
-
-        def tiled_forward(self, x):
-            def mlp(self, x):
-                return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-            shards = math.ceil(x.shape[-2] / x.shape[-1])  # agree on it across ranks
-            return TiledMLP.apply(mlp, self, x, shards, list(self.parameters()))
+    ``None``): the parameters ``fn`` uses, gathered once per pass under ZeRO-3. Patch e.g.
+    ``LlamaMLP.forward`` to call it (shards: ``ceil(seqlen / hidden)``, agreed across ranks).
 
     When ``x`` needs no gradient, the parameters of ``self`` (a module) and ``compute_params``
     that need one still get it.
