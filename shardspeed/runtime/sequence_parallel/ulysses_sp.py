@@ -6,4 +6,20 @@ The names live in their own modules and are re-exported here, DeepSpeed's import
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from shardspeed.runtime.sequence_parallel.dataloader_adapter import UlyssesSPDataLoaderAdapter
+from shardspeed.runtime.sequence_parallel.fwd_loss_bwd import UlyssesSPFwdLossBwdWithLogits
+from shardspeed.runtime.sequence_parallel.tiled_compute import (
+    SequenceTiledCompute,
+    TiledFusedLogitsLoss,
+    TiledMLP,
+    sequence_tiled_compute,
+)
+
+__all__: list[str] = [
+    "SequenceTiledCompute",
+    "TiledFusedLogitsLoss",
+    "TiledMLP",
+    "UlyssesSPDataLoaderAdapter",
+    "UlyssesSPFwdLossBwdWithLogits",
+    "sequence_tiled_compute",
+]
