@@ -6,4 +6,9 @@ The names live in their own modules and are re-exported here, DeepSpeed's import
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from shardspeed.runtime.sequence_parallel.attention_hf import (
+    SequenceParallelInputError,
+    UlyssesSPAttentionHF,
+)
+
+__all__: list[str] = ["SequenceParallelInputError", "UlyssesSPAttentionHF"]
