@@ -287,7 +287,9 @@ class UlyssesSPAttentionHF(nn.Module):
             self.local_seq_length = local_len
             self.global_seq_length = local_len * self.world_size
         full_positions, packed = self._full_positions(kwargs["position_ids"])
-        causal = bool(getattr(module, "is_causal", True))
+        # a model may pass is_causal per call (sdpa honours it); the module's flag otherwise
+        causal = kwargs.get("is_causal")
+        causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
         layout = self.layout
         if packed and causal and (layout.ring > 1 or self.core_attn_implementation != "eager"):
             where = "ring attention" if layout.ring > 1 else "the sdpa core"
@@ -318,7 +320,7 @@ class UlyssesSPAttentionHF(nn.Module):
             saved = getattr(module, "num_key_value_groups", None)
             # the core repeats key/value heads by this ratio, which replication changed
             if saved is not None:
-                module.num_key_value_groups = groups
+                module.num_key_value_groups = groups  # type: ignore[assignment]
             try:
                 context, weights = self._core(module, query, key, value, positions, args, kwargs)
             finally:

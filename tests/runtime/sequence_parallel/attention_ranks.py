@@ -178,3 +178,15 @@ def packed_documents(core_name: str, q_heads: int) -> str:
         return str(error)
     assert_close(out, expected[:, rows].reshape(1, 4, -1), "packed output", 1e-5, 1e-6)
     return "exact"
+
+
+def subgroup_ranks(ulysses: int) -> tuple[list[int], list[int]]:
+    """Global ranks of this rank's (Ulysses group, ring group) from the topology."""
+    parallel_state_sp.initialize_sequence_parallel(dist.get_world_size())
+    topology = parallel_state_sp.parallel_topology
+    assert topology is not None
+    u_group, r_group = topology.sequence_subgroups(ulysses)
+    return (
+        list(dist.get_process_group_ranks(u_group or dist.group.WORLD)),
+        list(dist.get_process_group_ranks(r_group or dist.group.WORLD)),
+    )

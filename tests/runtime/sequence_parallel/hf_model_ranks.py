@@ -35,7 +35,7 @@ ARCHS: dict[str, tuple[type, type]] = {
 }
 
 
-def _reset() -> None:
+def reset() -> None:
     """Leave the pool's ranks as they were: no sequence-parallel topology, no "ulysses"."""
     parallel_state_sp.parallel_topology = None
     set_current_topology(None)
@@ -46,7 +46,7 @@ def _cleaned(fn: Callable[..., Any], *args: Any) -> Any:
     try:
         return fn(*args)
     finally:
-        _reset()
+        reset()
 
 
 def _config(arch: str, core: str, q_heads: int, kv_heads: int) -> Any:

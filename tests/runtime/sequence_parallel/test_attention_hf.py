@@ -30,3 +30,15 @@ CASES = [
 def test_split_sequence_equals_whole(dist_pool, world, q_heads, kv_heads, mode):
     modes = dist_pool(world).run(attention_ranks.attention_equals_whole, q_heads, kv_heads, [4, 2])
     assert modes == [mode] * world
+
+
+@pytest.mark.timeout(120)
+def test_sequence_subgroups_split_consecutive_ulysses_ranks(dist_pool):
+    """sp 4 as Ulysses 2 x ring 2: Ulysses peers consecutive, the ring across the pairs."""
+    results = dist_pool(4).run(attention_ranks.subgroup_ranks, 2)
+    assert results == [
+        ([0, 1], [0, 2]),
+        ([0, 1], [1, 3]),
+        ([2, 3], [0, 2]),
+        ([2, 3], [1, 3]),
+    ]
