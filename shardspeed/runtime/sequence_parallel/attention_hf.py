@@ -235,6 +235,20 @@ class UlyssesSPAttentionHF(nn.Module):
             self._positions = (full, packed)
         return self._positions
 
+    def _check_packed_supported(self) -> None:
+        """Packed documents are kept apart only by the eager core's mask (Ulysses mode)."""
+        if self.layout.ring == 1 and self.core_attn_implementation == "eager":
+            return
+        if self.layout.ring > 1:
+            where = "ring attention"
+        else:
+            where = f"the {self.core_attn_implementation or 'given'} core"
+        raise RuntimeError(
+            f"packed sequences (position_ids restarting inside a row) are not supported with "
+            f"{where}: it would need a dense document mask of the whole sequence. Use the eager "
+            "core with a head count sequence_parallel_size divides, or unpacked rows"
+        )
+
     def _core(
         self,
         module: nn.Module,
@@ -291,13 +305,8 @@ class UlyssesSPAttentionHF(nn.Module):
         causal = kwargs.get("is_causal")
         causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
         layout = self.layout
-        if packed and causal and (layout.ring > 1 or self.core_attn_implementation != "eager"):
-            where = "ring attention" if layout.ring > 1 else "the sdpa core"
-            raise RuntimeError(
-                f"packed sequences (position_ids restarting inside a row) are not supported with "
-                f"{where}: it would need a dense document mask of the whole sequence. Use the "
-                "eager core with a head count sequence_parallel_size divides, or unpacked rows"
-            )
+        if packed and causal:
+            self._check_packed_supported()
 
         if layout.kv_replication > 1:
             key = key.repeat_interleave(layout.kv_replication, dim=1)
