@@ -196,6 +196,30 @@ class ParallelTopology:
         )
         return view.group("tp_inner")
 
+    def sequence_subgroups(self, ulysses_size: int) -> tuple[Any, Any]:
+        """The sequence-parallel axis split as ``ring x ulysses`` (Ulysses peers consecutive):
+        this rank's (Ulysses group, ring group), the ring joining the ranks at the same place
+        of consecutive Ulysses groups. Every rank must ask, in the same order."""
+        s = self.sizes
+        if ulysses_size < 1 or s["sp"] % ulysses_size:
+            raise ValueError(
+                f"a Ulysses group of {ulysses_size} ranks must divide the sequence-parallel "
+                f"size {s['sp']}"
+            )
+        names = ("pp", "dp_replicate", "dp_shard", "sp_ring", "sp_ulysses", "tp")
+        view = self.mesh.reshape(
+            names,
+            (
+                s["pp"],
+                s["dp_replicate"],
+                s["dp_shard"],
+                s["sp"] // ulysses_size,
+                ulysses_size,
+                s["tp"],
+            ),
+        )
+        return view.group("sp_ulysses"), view.group("sp_ring")
+
     # ------------------------------------------------------------------ views
     def with_dp_shard(self, shard: int) -> ParallelTopology:
         """The same ranks with ZeRO state sharded within groups of ``shard`` consecutive

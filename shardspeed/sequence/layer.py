@@ -47,6 +47,14 @@ class _SeqAllToAll(torch.autograd.Function):
         return None, _exchange(grad, ctx.gather_idx, ctx.scatter_idx, ctx.group), None, None
 
 
+def sequence_all_to_all(tensor: Tensor, scatter_idx: int, gather_idx: int, group: Any) -> Tensor:
+    """Differentiable exchange over ``group``: ``tensor`` split along ``scatter_idx`` (one
+    piece per rank) and what the ranks send joined along ``gather_idx``, in rank order; the
+    backward pass is the inverse exchange."""
+    out: Tensor = _SeqAllToAll.apply(group, tensor, scatter_idx, gather_idx)
+    return out
+
+
 class DistributedAttention(nn.Module):
     """``local_attention(q, k, v, *args, **kwargs)`` run on the whole sequence for a share of
     the heads, given this rank's sequence slice of ``q``, ``k``, ``v``.

@@ -494,8 +494,9 @@ class TiledFusedLogitsLoss(torch.autograd.Function):
     targets): ``sum(w_i * loss_i) / sum(w_i)``, the untiled mean exactly even when tiles hold
     different numbers of counted tokens (uneven cuts, ``-100`` padding). DeepSpeed takes the
     plain mean of the tiles there, exact only for equal counts. A tile with nothing to count
-    is skipped (its mean would be NaN); a sequence with nothing to count gives a loss of 0
-    and zero gradients.
+    is still computed (under ZeRO-3 every rank must call the same modules as often), with a
+    weight of 0 and its value (a NaN mean) left out; a sequence with nothing to count gives
+    a loss of 0 and zero gradients.
 
     The backward runs inside the forward, tile by tile (DeepSpeed's design: no second
     forward); the input's gradient is kept and the parameters' gradients are summed and
@@ -552,16 +553,15 @@ class TiledFusedLogitsLoss(torch.autograd.Function):
         losses: list[Tensor] = []
         with _gathered(compute_params):
             for (start, size), weight in zip(bounds, weights, strict=True):
-                if output_reduction == "mean" and weight == 0:
-                    continue
-                share = weight / total if output_reduction == "mean" else 1.0
+                share = (weight / total if total else 0.0) if output_reduction == "mean" else 1.0
                 tile = _tile(rows_x, 0, start, size, wants_input_grad)
                 tile_args: tuple[Any, ...] = (self, tile, rows_y.narrow(0, start, size))
                 if rows_mask is not None:
                     tile_args += (rows_mask.narrow(0, start, size),)
                 with torch.enable_grad() if grad_enabled else torch.no_grad():
                     loss = fn(*tile_args)
-                losses.append(loss.detach().to(dtype) * share)
+                if share:
+                    losses.append(loss.detach().to(dtype) * share)
                 grad_share = torch.tensor(share, dtype=loss.dtype, device=loss.device)
                 got = param_grads.tile_backward(
                     loss, grad_share, [tile] if wants_input_grad else []

@@ -6,6 +6,10 @@ The names live in their own modules and are re-exported here, DeepSpeed's import
 
 from __future__ import annotations
 
+from shardspeed.runtime.sequence_parallel.attention_hf import (
+    SequenceParallelInputError,
+    UlyssesSPAttentionHF,
+)
 from shardspeed.runtime.sequence_parallel.dataloader_adapter import UlyssesSPDataLoaderAdapter
 from shardspeed.runtime.sequence_parallel.fwd_loss_bwd import UlyssesSPFwdLossBwdWithLogits
 from shardspeed.runtime.sequence_parallel.tiled_compute import (
@@ -16,9 +20,11 @@ from shardspeed.runtime.sequence_parallel.tiled_compute import (
 )
 
 __all__: list[str] = [
+    "SequenceParallelInputError",
     "SequenceTiledCompute",
     "TiledFusedLogitsLoss",
     "TiledMLP",
+    "UlyssesSPAttentionHF",
     "UlyssesSPDataLoaderAdapter",
     "UlyssesSPFwdLossBwdWithLogits",
     "sequence_tiled_compute",

@@ -25,6 +25,7 @@ from torch import nn
 import shardspeed
 from shardspeed.comm.parallel_topology import current_topology
 from shardspeed.runtime.sequence_parallel.loss import sequence_parallel_loss
+from shardspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss, TiledMLP
 from shardspeed.sequence.layer import DistributedAttention
 from shardspeed.utils import groups
 from shardspeed.zero import GatheredParameters
@@ -45,9 +46,23 @@ class ToyAttentionModel(nn.Module):
         self.pos = nn.Embedding(SEQ, hidden)
         self.qkv = nn.Linear(hidden, 3 * hidden)
         self.out = nn.Linear(hidden, hidden)
+        self.up = nn.Linear(hidden, 2 * hidden)
+        self.down = nn.Linear(2 * hidden, hidden)
         self.norm = nn.LayerNorm(hidden)
         self.head = nn.Linear(hidden, VOCAB)
         self.sequence_parallel = False
+        #: the MLP through ``TiledMLP`` and the head and loss through ``TiledFusedLogitsLoss``
+        self.tiled = False
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+    @staticmethod
+    def _head_loss(head: nn.Module, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = head(x)
+        return F.cross_entropy(
+            logits.reshape(-1, VOCAB).float(), labels.reshape(-1), ignore_index=-100
+        )
 
     @staticmethod
     def _core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -67,10 +82,14 @@ class ToyAttentionModel(nn.Module):
         else:
             context = self._core(q, k, v)
         x = x + self.out(context.reshape(s, b, h).transpose(0, 1))
-        logits = self.head(self.norm(x))
-        return F.cross_entropy(
-            logits.reshape(-1, VOCAB).float(), shift_labels.reshape(-1), ignore_index=-100
-        )
+        if not self.tiled:
+            return self._head_loss(self.head, self.norm(x + self._mlp(x)), shift_labels)
+        mlp_params = [*self.up.parameters(), *self.down.parameters()]
+        x = x + TiledMLP.apply(type(self)._mlp, self, x, 3, mlp_params)
+        return TiledFusedLogitsLoss.apply(
+            self._head_loss, self.head, self.norm(x), shift_labels, None, 3,
+            list(self.head.parameters()), "mean",
+        )  # fmt: skip
 
 
 def shift_labels_of(labels: torch.Tensor) -> torch.Tensor:
@@ -219,6 +238,11 @@ def _toy_prepare_mpu(model: nn.Module, sp: int) -> Any:
     return parallel_state_sp
 
 
+def _tiled(prepare: Callable[[nn.Module, int], Any], model: nn.Module, sp: int) -> Any:
+    model.tiled = True  # type: ignore[assignment]
+    return prepare(model, sp)
+
+
 def _toy_forward(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return model(**batch)
 
@@ -229,6 +253,8 @@ def toy_cases(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for case in cases:
         case = dict(case)
         prepare = _toy_prepare_mpu if case.pop("via", "config") == "mpu" else _toy_prepare
+        if case.pop("tiled", False):
+            prepare = functools.partial(_tiled, prepare)
         torch.manual_seed(0)
         out.append(train_and_compare(ToyAttentionModel, _toy_forward, prepare, **case))
     return out

@@ -29,6 +29,10 @@ def test_toy_attention_sp2_every_zero_stage(dist_pool) -> None:
         dict(sp=2, stage=3, via="mpu"),  # parallel_state_sp given as the mpu
         dict(sp=2, stage=2, extra={"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}),
         dict(sp=2, stage=3, clip=0.05, masked=False),
+        # TiledMLP and TiledFusedLogitsLoss (3 tiles of each 8-token shard) against the untiled
+        # model in one process: each parameter's gradient arrives once, ZeRO-3 gathers once
+        dict(sp=2, stage=3, tiled=True),
+        dict(sp=2, stage=2, gas=2, tiled=True, via="mpu"),
     ]
     _check(dist_pool(2).run(sp_engine_ranks.toy_cases, cases, timeout_s=280), cases)
 
