@@ -186,7 +186,7 @@ def train_and_compare(
             batch = {
                 "input_ids": ids[rows, cut],
                 "position_ids": positions[:, cut],
-                "shift_labels": shift_labels_of(labels[rows])[:, cut],
+                "shift_labels": shift_labels_of(labels[rows])[:, cut].contiguous(),
             }
             loss = sp_loss(forward(engine, batch), batch["shift_labels"], sp_group)
             engine.backward(loss)
