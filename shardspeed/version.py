@@ -17,9 +17,10 @@ from pathlib import Path
 
 __version__ = "0.1.0"
 
-DEEPSPEED_API_VERSION = "0.16.4"
+DEEPSPEED_API_VERSION = "0.18.2"
 """The DeepSpeed release whose API shardspeed (and its compatibility package) stands in for:
-0.16.4, the first with AutoTP training, which Accelerate requires for ``autotp_size``."""
+0.18.2, the first Accelerate accepts for ALST sequence parallelism
+(``ParallelismConfig(sp_backend="deepspeed")``); AutoTP training needs 0.16.4."""
 
 
 def _int_parts(version: str) -> tuple[int, int, int]:

@@ -34,7 +34,7 @@ logger = logging.getLogger("shardspeed.compat")
 
 
 def compat_version() -> str:
-    """``0.16.4+shardspeed.0.1.0``: DeepSpeed's API level, then the shardspeed release."""
+    """``0.18.2+shardspeed.0.1.0``: DeepSpeed's API level, then the shardspeed release."""
     return f"{DEEPSPEED_API_VERSION}+shardspeed.{__version__}"
 
 

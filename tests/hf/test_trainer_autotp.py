@@ -4,7 +4,7 @@ launch``: one launch runs ``scripts/trainer_autotp_cases.py`` (plain DDP on the 
 batches first), then ``scripts/check_autotp_saved.py`` loads what ``save_model()`` wrote.
 
 What breaks without shardspeed's AutoTP support for these clients: Accelerate refuses AutoTP
-below DeepSpeed 0.16.4 (the compatibility package's version), the Trainer's ``"auto"``
+below DeepSpeed 0.16.4 (the compatibility package reports 0.18.2), the Trainer's ``"auto"``
 ``train_batch_size`` counts the tensor-parallel ranks (DeepSpeed's count), and
 ``save_model()`` calls ``engine._consolidated_16bit_state_dict()``, which must assemble the
 tensor-parallel pieces.
