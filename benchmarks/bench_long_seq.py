@@ -2,8 +2,8 @@
 per rank, for sequence parallelism 1, 2 and 4, without and with tiling (``TiledMLP`` on every
 MLP, ``TiledFusedLogitsLoss`` for the head and loss), and tokens/s, in one run.
 
-    python benchmarks/bench_long_seq.py                 # CPU ranks, fp32, ~15 min when quiet
-    python benchmarks/bench_long_seq.py --budget_gib 4  # another budget
+    python benchmarks/bench_long_seq.py                 # CPU ranks, fp32, ~20 min when quiet
+    python benchmarks/bench_long_seq.py --budget_gib 4  # another budget (longer: slower)
 
 A Llama built from a config (``--hidden``, ``--layers``, ``--vocab``, ...) trains under the
 engine at ZeRO-3 (``sequence_parallel_size`` = sp, so ZeRO shards over the ``sp`` ranks) with
@@ -12,8 +12,8 @@ rank takes its slice of one sequence, the shard losses are combined as DeepSpeed
 does, and one AdamW step runs. A trial is one step at one length in fresh rank processes; it
 fits when every rank's peak resident memory (``ru_maxrss``: the interpreter, torch, the model
 and optimizer states, and the step's activations) stays within ``--budget_gib``. The longest
-fitting length is found by doubling from ``--start`` and then bisecting to ``--grain`` tokens
-(a length is a multiple of ``sp * --grain``). Tokens/s is measured at the longest fitting
+fitting length is found by doubling from ``--start`` and then bisecting until the bracket is
+under ``--precision`` of the length (a length is a multiple of ``sp * --grain``). Tokens/s is measured at the longest fitting
 length (whole-sequence tokens over the step's wall time, the slowest rank).
 
 Prints one JSON line: per (sp, tiled) the longest length, its peak RSS, step time, tokens/s,
@@ -146,12 +146,12 @@ def _trial(rank: int, world: int, port: int, args: argparse.Namespace, seq: int,
     engine.step()
     seconds = time.perf_counter() - start
     queue.put({"rank": rank, "rss_mb": _peak_rss_mb(), "seconds": seconds,
-               "loss": float(loss)})  # fmt: skip
+               "loss": float(loss.detach())})  # fmt: skip
 
 
 def _run(args: argparse.Namespace, sp: int, seq: int, tiled: bool) -> dict[str, Any]:
     try:
-        ranks = spawn_ranks(_trial, sp, free_port(), args, seq, tiled)
+        ranks = spawn_ranks(_trial, sp, sp, free_port(), args, seq, tiled)
     except RuntimeError as error:  # a rank killed (out of memory) or failed
         return {"seq": seq, "fits": False, "error": str(error)[:200]}
     rss = max(r["rss_mb"] for r in ranks)
@@ -175,7 +175,7 @@ def longest(args: argparse.Namespace, sp: int, tiled: bool) -> dict[str, Any]:
         best, seq = trial, seq * 2
     low = best["seq"] if best else 0
     high = seq
-    while high - low > unit:
+    while high - low > max(unit, low * args.precision):
         mid = (low + high) // 2 // unit * unit
         if mid in (low, high):
             break
@@ -201,11 +201,12 @@ def longest(args: argparse.Namespace, sp: int, tiled: bool) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--budget_gib", type=float, default=2.0)
+    parser.add_argument("--budget_gib", type=float, default=1.0)
     parser.add_argument("--sp", default="1,2,4")
     parser.add_argument("--tiled", default="0,1")
-    parser.add_argument("--start", type=int, default=2048)
+    parser.add_argument("--start", type=int, default=1024)
     parser.add_argument("--grain", type=int, default=256)
+    parser.add_argument("--precision", type=float, default=0.0625)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--intermediate", type=int, default=1024)

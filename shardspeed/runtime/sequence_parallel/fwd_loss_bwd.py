@@ -10,7 +10,8 @@ boundary is set after the last, so one optimizer step follows.
 
 The group's loss: ``sum_r n_r * loss_r / sum_r n_r``, ``n_r`` the labels other than ``-100``
 in rank ``r``'s slice of the pre-shifted labels (counted exactly; DeepSpeed counts unshifted
-labels minus one). The per-rank losses are gathered by :func:`all_gather_losses`, whose
+labels minus one). The per-rank losses are gathered by
+:func:`~shardspeed.runtime.sequence_parallel.loss.all_gather_differentiable`, whose
 backward sums the gradients of all ranks (``torch.distributed.nn.functional.all_gather``'s,
 which DeepSpeed's tutorial uses): every rank's parameter gradients add up to ``sp`` times the
 whole sequence's gradient, so the engine's mean over the sequence-parallel ranks gives it.
@@ -25,38 +26,14 @@ import torch
 from torch import Tensor
 
 from shardspeed import comm
+from shardspeed.runtime.sequence_parallel.loss import all_gather_differentiable
 from shardspeed.runtime.sequence_parallel.tiled_compute import TiledFusedLogitsLoss
 
-__all__ = ["UlyssesSPFwdLossBwdWithLogits", "all_gather_losses"]
+__all__ = ["UlyssesSPFwdLossBwdWithLogits"]
 
 IGNORE_INDEX = -100
 #: "auto" cuts the logits into tiles of about this many fp32 bytes (DeepSpeed's 1 GiB)
 AUTO_TILE_BYTES = 2**30
-
-
-class _AllGatherLosses(torch.autograd.Function):
-    """Every rank's scalar, stacked; backward: the sum over ranks of the gradients of this
-    rank's entry."""
-
-    @staticmethod
-    def forward(ctx: Any, loss: Tensor, group: Any) -> Tensor:  # type: ignore[override]
-        ctx.group = group
-        world = comm.get_world_size(group)
-        gathered = [torch.empty_like(loss) for _ in range(world)]
-        comm.all_gather(gathered, loss.contiguous(), group=group)
-        ctx.rank = comm.get_rank(group)
-        return torch.stack(gathered)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor, None]:
-        grad = grads[0].contiguous().clone()
-        comm.all_reduce(grad, group=ctx.group)
-        return grad[ctx.rank], None
-
-
-def all_gather_losses(loss: Tensor, group: Any) -> Tensor:
-    """The group's scalar losses, ``[world]``, differentiable (backward sums over ranks)."""
-    return _AllGatherLosses.apply(loss, group)  # type: ignore[no-any-return]
 
 
 class UlyssesSPFwdLossBwdWithLogits:
@@ -127,7 +104,7 @@ class UlyssesSPFwdLossBwdWithLogits:
             self.forward(part)
             loss = self.compute_loss(labels=None, shift_labels=shift_labels)
             self.logits = None  # the logits may be huge: free them before backward
-            per_rank = all_gather_losses(loss, self.sp_group)
+            per_rank = all_gather_differentiable(loss, self.sp_group)
             total = sum(counts)
             weights = torch.tensor(counts, dtype=per_rank.dtype, device=per_rank.device)
             # a batch with nothing to count gives 0 (every rank's loss is 0 then)

@@ -87,6 +87,12 @@ def check_sequence_parallel(config: DeepSpeedConfig, mpu: Any, world_size: int) 
             f"sequence_parallel_size={sp} with pipeline stages: sequence parallelism inside a "
             "PipelineModule is not built in shardspeed; train without pipeline stages"
         )
+    if int(config.tensor_parallel.autotp_size) > 1:
+        raise NotImplementedError(
+            f"sequence_parallel_size={sp} with tensor_parallel.autotp_size="
+            f"{config.tensor_parallel.autotp_size} is not built in shardspeed (the Ulysses "
+            "attention would need the split heads); remove one of them"
+        )
     if config.expert_parallel.enabled:
         raise NotImplementedError(
             f"sequence_parallel_size={sp} with expert_parallel (AutoEP) is not built in "

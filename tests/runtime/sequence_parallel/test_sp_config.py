@@ -57,6 +57,8 @@ def test_data_parallel_size_must_fill_the_world() -> None:
     with pytest.raises(ValueError, match="set data_parallel_size to 2"):
         check_sequence_parallel(config, None, world_size=4)
     check_sequence_parallel(_config(sequence_parallel_size=2, data_parallel_size=2), None, 4)
+    with pytest.raises(ValueError, match="set data_parallel_size to 1"):
+        check_sequence_parallel(_config(sequence_parallel_size=2, data_parallel_size=2), None, 2)
 
 
 class _Mpu:
@@ -79,6 +81,7 @@ def test_config_and_mpu_must_agree() -> None:
     [
         ({"zero_optimization": {"stage": 3, "mics_shard_size": 2}}, "MiCS"),
         ({"expert_parallel": {"enabled": True}}, "AutoEP"),
+        ({"tensor_parallel": {"autotp_size": 2}}, "autotp_size=2"),
     ],
 )
 def test_unbuilt_combinations_are_refused(extra: dict, refused: str) -> None:
