@@ -11,7 +11,9 @@ engine at ZeRO-3 (``sequence_parallel_size`` = sp, so ZeRO shards over the ``sp`
 rank takes its slice of one sequence, the shard losses are combined as DeepSpeed's tutorial
 does, and one AdamW step runs. A trial is one step at one length in fresh rank processes; it
 fits when every rank's peak resident memory (``ru_maxrss``: the interpreter, torch, the model
-and optimizer states, and the step's activations) stays within ``--budget_gib``. The longest
+and optimizer states, and the step's activations) stays within ``--budget_gib``; the ranks run with
+``MALLOC_MMAP_THRESHOLD_=65536`` so that freed blocks leave the RSS (otherwise glibc's cache of
+freed memory, which differs between runs and rank counts, is counted as the step's). The longest
 fitting length is found by doubling from ``--start`` and then bisecting until the bracket is
 under ``--precision`` of the length (a length is a multiple of ``sp * --grain``). Tokens/s is measured at the longest fitting
 length (whole-sequence tokens over the step's wall time, the slowest rank).
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 import types
@@ -205,7 +208,7 @@ def main() -> None:
     parser.add_argument("--sp", default="1,2,4")
     parser.add_argument("--tiled", default="0,1")
     parser.add_argument("--start", type=int, default=1024)
-    parser.add_argument("--grain", type=int, default=256)
+    parser.add_argument("--grain", type=int, default=64)
     parser.add_argument("--precision", type=float, default=0.0625)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--hidden", type=int, default=256)
@@ -214,6 +217,9 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv_heads", type=int, default=4)
     args = parser.parse_args()
+    # large blocks straight from mmap, returned when freed: the ranks' RSS then follows their
+    # live memory instead of what glibc keeps cached (read by the rank processes at start)
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
     results = [
         longest(args, int(sp), bool(int(tiled)))
         for tiled in args.tiled.split(",")

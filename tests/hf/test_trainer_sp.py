@@ -5,13 +5,15 @@ and weights as plain DDP on the same global batches (``scripts/trainer_sp_cases.
 from __future__ import annotations
 
 import json
+import re
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.hf.conftest import launch_cmd, rank_env, run_launched
+from tests.hf.conftest import REPO, free_port, launch_cmd, rank_env, run_launched
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from trainer_sp_cases import CASES, MAX_STEPS, SP  # noqa: E402
@@ -44,3 +46,18 @@ def test_trainer_sequence_parallel_matches_ddp(compat_site: Path, tmp_path: Path
         for name, value in want.items():
             diff = (params[name] - value).abs().max() / value.abs().max()
             assert diff < WEIGHT_RTOL, (case, name, float(diff))
+
+
+@pytest.mark.timeout(240)
+def test_long_sequence_example_trains(compat_site: Path) -> None:
+    """``examples/hf_long_seq.py`` (the README's loop) with tiling, on 2 ranks: it runs and the
+    loss falls."""
+    cmd = [sys.executable, "-m", "shardspeed.launcher.runner", "--num_gpus", "2",
+           "--master_port", str(free_port()), str(REPO / "examples" / "hf_long_seq.py"),
+           "--tiled", "--steps", "4"]  # fmt: skip
+    done = subprocess.run(cmd, env=rank_env(compat_site), capture_output=True, text=True,
+                          timeout=220, cwd=REPO)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    found = re.search(r"done: 4 steps .* loss ([\d.]+) -> ([\d.]+)", done.stdout)
+    assert found, done.stdout[-2000:]
+    assert float(found.group(2)) < float(found.group(1))
