@@ -128,7 +128,8 @@ def test_initialize_refuses_what_autotp_does_not_combine_with() -> None:
         dp_world_size=1,
     )
     model = torch.nn.Linear(4, 4)
-    grid = SimpleNamespace(parallel_topology=object())  # a PipelineModule's grid
+    # a PipelineModule's grid (sequence parallelism's mpu has a parallel_topology too)
+    grid = SimpleNamespace(parallel_topology=object(), get_pipe_parallel_world_size=lambda: 2)
     with pytest.raises(NotImplementedError, match="autotp_size=2 with a PipelineModule"):
         check_tensor_parallel(config, model, grid)
     model.weight.ds_id = 0  # built under zero.Init: partitioned already
