@@ -14,8 +14,8 @@ fits when every rank's peak resident memory (``ru_maxrss``: the interpreter, tor
 and optimizer states, and the step's activations) stays within ``--budget_gib``; the ranks run with
 ``MALLOC_MMAP_THRESHOLD_=65536`` so that freed blocks leave the RSS (otherwise glibc's cache of
 freed memory, which differs between runs and rank counts, is counted as the step's). The longest
-fitting length is found by doubling from ``--start`` and then bisecting until the bracket is
-under ``--precision`` of the length (a length is a multiple of ``sp * --grain``). Tokens/s is measured at the longest fitting
+fitting length is found by a secant search on the peak RSS from ``--start`` (see
+:func:`longest`; a length is a multiple of ``sp * --grain``). Tokens/s is measured at the longest fitting
 length (whole-sequence tokens over the step's wall time, the slowest rank).
 
 Prints one JSON line: per (sp, tiled) the longest length, its peak RSS, step time, tokens/s,
@@ -78,14 +78,14 @@ def _tile_mlps(model: Any, seq_local: int) -> None:
 
 
 def _tiled_loss(model: Any, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Head and cross-entropy over tiles of ~64 MiB of logits; the mean over good tokens."""
+    """Head and cross-entropy over tiles of ~16 MiB of logits; the mean over good tokens."""
     import torch.nn.functional as F
 
     from shardspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss
 
     head = model.lm_head
     vocab = model.config.vocab_size
-    shards = max(1, math.ceil(hidden.shape[1] * vocab * 4 / (64 << 20)))
+    shards = max(1, math.ceil(hidden.shape[1] * vocab * 4 / (16 << 20)))
 
     def loss_fn(self: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         logits = self(x).float()
@@ -164,37 +164,56 @@ def _run(args: argparse.Namespace, sp: int, seq: int, tiled: bool) -> dict[str, 
 
 
 def longest(args: argparse.Namespace, sp: int, tiled: bool) -> dict[str, Any]:
-    """Double from ``--start`` while one step fits, then bisect to ``--grain``."""
+    """The longest length that fits, by a secant search on peak RSS (about linear in the
+    length: flash attention, tiles): two short trials give the slope, each next trial is the
+    length the last two points predict for the budget (inside the bracket of the longest
+    fitting and the shortest failing length, halved when the prediction falls outside), until
+    the bracket is under ``--precision`` of the length (or one ``sp * --grain`` unit)."""
     unit = sp * args.grain
     trials: list[dict[str, Any]] = []
-    seq = max(unit, args.start // unit * unit)
-    best: dict[str, Any] | None = None
-    while True:
+    budget = args.budget_gib * 1024
+
+    def run(seq: int) -> dict[str, Any]:
         trial = _run(args, sp, seq, tiled)
         trials.append(trial)
         print(json.dumps({"sp": sp, "tiled": tiled, **trial}), file=sys.stderr, flush=True)
-        if not trial["fits"]:
-            break
-        best, seq = trial, seq * 2
-    low = best["seq"] if best else 0
-    high = seq
-    while high - low > max(unit, low * args.precision):
-        mid = (low + high) // 2 // unit * unit
-        if mid in (low, high):
-            break
-        trial = _run(args, sp, mid, tiled)
-        trials.append(trial)
-        print(json.dumps({"sp": sp, "tiled": tiled, **trial}), file=sys.stderr, flush=True)
+        return trial
+
+    best: dict[str, Any] | None = None
+    high: int | None = None
+    seq = max(unit, args.start // unit * unit)
+    while len(trials) < args.max_trials:
+        trial = run(seq)
         if trial["fits"]:
-            best, low = trial, mid
+            best = trial
         else:
-            high = mid
+            high = seq if high is None else min(high, seq)
+        low = best["seq"] if best else 0
+        if high is not None and high - low <= max(unit, low * args.precision):
+            break
+        measured = sorted((t for t in trials if "rss_mb" in t), key=lambda t: t["seq"])
+        if len(measured) < 2:  # the slope needs two points: the second at twice the first
+            guess = seq * 2 if trial["fits"] else seq // 2
+        else:
+            near = sorted(measured, key=lambda t: abs(t["rss_mb"] - budget))[:2]
+            (s0, r0), (s1, r1) = ((t["seq"], t["rss_mb"]) for t in near)
+            slope = (r1 - r0) / (s1 - s0) if s1 != s0 else 0.0
+            guess = int(s0 + (budget - r0) / slope) if slope > 0 else seq * 2
+        guess = max(unit, guess // unit * unit)
+        if guess <= low:  # the prediction is what fits already: test just above it
+            guess = low + max(unit, int(low * args.precision) // unit * unit)
+        if high is not None and not low < guess < high:
+            guess = max(unit, (low + high) // 2 // unit * unit)
+        if guess in {t["seq"] for t in trials}:
+            break
+        seq = guess
     if best is None:
         return {"sp": sp, "tiled": tiled, "longest": 0, "trials": len(trials)}
     return {
         "sp": sp,
         "tiled": tiled,
         "longest": best["seq"],
+        "shortest_failing": high,
         "rss_mb": best["rss_mb"],
         "step_s": best["seconds"],
         "tokens_per_s": round(best["seq"] / best["seconds"], 1),
@@ -204,13 +223,14 @@ def longest(args: argparse.Namespace, sp: int, tiled: bool) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--budget_gib", type=float, default=1.0)
+    parser.add_argument("--budget_gib", type=float, default=0.6)
     parser.add_argument("--sp", default="1,2,4")
     parser.add_argument("--tiled", default="0,1")
     parser.add_argument("--start", type=int, default=1024)
     parser.add_argument("--grain", type=int, default=64)
-    parser.add_argument("--precision", type=float, default=0.0625)
-    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--precision", type=float, default=0.05)
+    parser.add_argument("--max_trials", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--intermediate", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=2)

@@ -29,10 +29,14 @@ def _exchange(tensor: Tensor, scatter_idx: int, gather_idx: int, group: Any) -> 
             f"(the heads, by default) must be divisible by the sequence-parallel size {world}; "
             "choose a sequence-parallel size that divides the number of heads"
         )
-    chunks = [c.contiguous() for c in tensor.chunk(world, dim=scatter_idx)]
-    received = [torch.empty_like(c) for c in chunks]
-    comm.all_to_all(received, chunks, group=group)
-    return torch.cat(received, dim=gather_idx)
+    # one buffer with rank i's piece at index i of a new first dimension (one copy), exchanged
+    # in place of separate chunks (gloo would pack and unpack them: two more copies at the peak)
+    send = tensor.unflatten(scatter_idx, (world, -1)).movedim(scatter_idx, 0).contiguous()
+    received = torch.empty_like(send)
+    comm.all_to_all_single(received, send, group=group)
+    del send
+    # rank i's piece goes i-th along gather_idx: the rank dimension just before it, merged
+    return received.movedim(0, gather_idx).flatten(gather_idx, gather_idx + 1)
 
 
 class _SeqAllToAll(torch.autograd.Function):
