@@ -199,6 +199,8 @@ def longest(args: argparse.Namespace, sp: int, tiled: bool) -> dict[str, Any]:
             (s0, r0), (s1, r1) = ((t["seq"], t["rss_mb"]) for t in near)
             slope = (r1 - r0) / (s1 - s0) if s1 != s0 else 0.0
             guess = int(s0 + (budget - r0) / slope) if slope > 0 else seq * 2
+            # a flat start (the tiles' fixed working set) predicts far too long: at most 4x
+            guess = min(guess, 4 * max(t["seq"] for t in measured))
         guess = max(unit, guess // unit * unit)
         if guess <= low:  # the prediction is what fits already: test just above it
             guess = low + max(unit, int(low * args.precision) // unit * unit)
