@@ -168,6 +168,22 @@ def start(out: Path) -> Path:
     return init_dir
 
 
+def run_cases(default: str, run_case: Any) -> None:
+    """The scripts' main: ``OUT [--cases a,b]``; join the group, save the initial model, run
+    ``run_case(name, OUT, init_dir)`` for each case in order and write each rank's result to
+    ``OUT/<case>/rank<R>.json``."""
+    from shardspeed import comm
+
+    opts = arguments(("--cases", {"default": default}))
+    init_dir = start(opts.out)
+    rank = comm.get_rank()
+    for name in opts.cases.split(","):
+        (opts.out / name).mkdir(parents=True, exist_ok=True)
+        result = run_case(name, opts.out, init_dir)
+        write_json(opts.out / name / f"rank{rank}.json", result)
+    print(json.dumps({"rank": rank, "done": opts.cases}), flush=True)
+
+
 def write_json(path: Path, data: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1))

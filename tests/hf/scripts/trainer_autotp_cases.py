@@ -19,7 +19,6 @@ AutoTP splits whole weights), so it is loaded before.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -27,12 +26,10 @@ from typing import Any
 import torch
 from hf_common import (
     RandomTokens,
-    arguments,
     deepspeed_state_on_cpu,
     ds_config,
     forget_run,
-    start,
-    write_json,
+    run_cases,
 )
 
 from shardspeed import comm
@@ -142,16 +139,5 @@ def run_case(name: str, root: Path, init_dir: Path) -> dict[str, Any]:
     return result
 
 
-def main() -> None:
-    opts = arguments(("--cases", {"default": ",".join(CASES)}))
-    init_dir = start(opts.out)
-    rank = comm.get_rank()
-    for name in opts.cases.split(","):
-        (opts.out / name).mkdir(parents=True, exist_ok=True)
-        result = run_case(name, opts.out, init_dir)
-        write_json(opts.out / name / f"rank{rank}.json", result)
-    print(json.dumps({"rank": rank, "done": opts.cases}), flush=True)
-
-
 if __name__ == "__main__":
-    main()
+    run_cases(",".join(CASES), run_case)
