@@ -4,9 +4,11 @@
 #     bash scripts/gpu_check.sh          (with .gpu_wheels carried along)
 # It runs the CUDA tests, one bf16 training run per ZeRO stage at world size 1 (NCCL) with CPU
 # and NVMe offload, fused decoding with and without CUDA graphs, and benchmarks/bench_gpu.py's
-# figures (tokens/s, MFU, peak memory against plain PyTorch / Hugging Face eager). Each part has
-# its own time limit; a failing part does not stop the others. Everything lands in $OUT (or a
-# temporary folder): gpu_summary.md (one line a part), bench_gpu.json and a log per part.
+# figures (tokens/s, MFU, peak memory against plain PyTorch / Hugging Face eager), then
+# benchmarks/bench_alst_gpu.py's (ALST at 16K-256K tokens against HF gradient checkpointing).
+# Each part has its own time limit; a failing part does not stop the others. Everything lands
+# in $OUT (or a temporary folder): gpu_summary.md (one line a part), bench_*.json and a log per
+# part (at most 8 files come back from a device run: tar them into one).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(mktemp -d)}
@@ -56,10 +58,12 @@ nvme="${NVME_DIR:-/tmp}"
 extra=${GPU_CHECK_BENCH_ARGS:-}
 part bench_train 210 python benchmarks/bench_gpu.py --only train --nvme_dir "$nvme" $extra
 part bench_decode 90 python benchmarks/bench_gpu.py --only decode $extra
-for what in train decode; do
+# ALST's single-device parts (tiled MLP and loss, hidden states offloaded) against HF checkpointing
+part bench_alst 150 python benchmarks/bench_alst_gpu.py $extra
+for what in train decode alst; do
   tail -n 1 "$OUT/bench_$what.log" >"$OUT/bench_$what.json"
 done
 
 echo >>"$summary"
-echo "total $(($(date +%s) - started)) s; figures in bench_train.json / bench_decode.json" >>"$summary"
+echo "total $(($(date +%s) - started)) s; figures in bench_train.json / bench_decode.json / bench_alst.json" >>"$summary"
 cat "$summary"

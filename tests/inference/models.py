@@ -129,9 +129,18 @@ def fused(family: str, **config: Any) -> Any:
     return shardspeed.init_inference(build(family), **config)
 
 
+def device_of(model: Any) -> torch.device:
+    """Where a model (or an inference engine's module) keeps its weights."""
+    return next(getattr(model, "module", model).parameters()).device
+
+
 def greedy(model: Any, ids: torch.Tensor, new_tokens: int = 32) -> torch.Tensor:
-    out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-    return out[:, ids.shape[1] :]
+    """``new_tokens`` greedy tokens (on the host), the prompt moved to the model's device."""
+    out = model.generate(
+        ids.to(device_of(model)), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+        do_sample=False,
+    )  # fmt: skip
+    return out[:, ids.shape[1] :].cpu()
 
 
 def structured_stream(batch: int, length: int, seed: int) -> torch.Tensor:

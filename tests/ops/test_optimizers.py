@@ -25,7 +25,7 @@ def make_params(dtype: torch.dtype = torch.float32, seed: int = 0) -> list[torch
 
 def grads_for(step: int, params: list[torch.Tensor]) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(1000 + step)
-    return [torch.randn(p.shape, generator=gen).to(p.dtype) for p in params]
+    return [torch.randn(p.shape, generator=gen).to(p.device, p.dtype) for p in params]
 
 
 def run(opt: torch.optim.Optimizer, params: list[torch.Tensor], steps: range) -> None:

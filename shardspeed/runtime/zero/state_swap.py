@@ -12,7 +12,8 @@ the file named, and the state on disk stays the last complete one.
 The masters stay in memory, unless they are stage 3 parameter shards offloaded with
 ``offload_param``: then the shard is read before its unit is gathered and before its
 sub-group steps, and leaves memory after (written back only when it changed). With fp16/bf16
-parameters the fp32 master copies stay in host memory.
+parameters the fp32 master copies stay in host memory. A shard in device memory (one rank,
+where the shard is the parameters' own buffer) is written and read through a host copy.
 """
 
 from __future__ import annotations
@@ -120,7 +121,12 @@ class SwapStore:
         for key, tensor in items:
             if key in self._on_disk and not _resident(tensor):
                 tensor.untyped_storage().resize_(self._nbytes[key])
-                handles.append(self.swapper.read(key, tensor))
+                if tensor.device.type == "cpu":
+                    handles.append(self.swapper.read(key, tensor))
+                else:  # a device shard (one rank: the shard is the buffer): through the host
+                    staging = torch.empty_like(tensor, device="cpu")
+                    self.swapper.read(key, staging).wait()
+                    tensor.copy_(staging)
                 self._clean.add(key)
             self._on_disk.discard(key)
         return handles
@@ -134,7 +140,8 @@ class SwapStore:
             if self._nbytes.get(key) != nbytes:
                 self.swapper.reserve(key, nbytes)  # a full disk fails here, before any write
                 self._nbytes[key] = nbytes
-            self._writes.append(((key, tensor), self.swapper.write(key, tensor)))
+            host = tensor if tensor.device.type == "cpu" else tensor.to("cpu")  # device: staged
+            self._writes.append(((key, tensor), self.swapper.write(key, host)))
 
     def finish_writes(self) -> None:
         """Wait for the writes in flight, then free their tensors' memory."""
