@@ -1,6 +1,7 @@
 """Long sequences (ALST): the longest sequence one training step fits in a fixed memory budget
-per rank, for sequence parallelism 1, 2 and 4, without and with tiling (``TiledMLP`` on every
-MLP, ``TiledFusedLogitsLoss`` for the head and loss), and tokens/s, in one run.
+per rank, for sequence parallelism 1, 2 and 4, without and with ALST's memory recipe (``TiledMLP``
+on every MLP, ``TiledFusedLogitsLoss`` for the head and loss, and each decoder layer checkpointed,
+as the tutorial's Trainer runs do; ``--checkpointing 0`` tiles only), and tokens/s, in one run.
 
     python benchmarks/bench_long_seq.py                 # CPU ranks, fp32, ~20 min when quiet
     python benchmarks/bench_long_seq.py --budget_gib 4  # another budget (longer: slower)
@@ -56,6 +57,7 @@ def _llama(args: argparse.Namespace) -> Any:
         num_key_value_heads=args.kv_heads,
         max_position_embeddings=1 << 22,
         tie_word_embeddings=False,
+        use_cache=False,  # training: no key/value cache (it would hold every layer's keys)
     )
     torch.manual_seed(0)
     return LlamaForCausalLM(config)
@@ -123,6 +125,10 @@ def _trial(rank: int, world: int, port: int, args: argparse.Namespace, seq: int,
     local = seq // sp
     if tiled:
         _tile_mlps(model, local)
+        if args.checkpointing:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
     config = {
         "train_micro_batch_size_per_gpu": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
@@ -228,6 +234,12 @@ def main() -> None:
     parser.add_argument("--budget_gib", type=float, default=0.6)
     parser.add_argument("--sp", default="1,2,4")
     parser.add_argument("--tiled", default="0,1")
+    parser.add_argument(
+        "--checkpointing",
+        type=int,
+        default=1,
+        help="1: tiled runs also checkpoint each decoder layer (ALST's recipe)",
+    )
     parser.add_argument("--start", type=int, default=1024)
     parser.add_argument("--grain", type=int, default=64)
     parser.add_argument("--precision", type=float, default=0.05)
@@ -256,7 +268,8 @@ def main() -> None:
     shape = {k: getattr(args, k) for k in ("vocab", "hidden", "intermediate", "layers", "heads",
                                            "kv_heads")}  # fmt: skip
     print(json.dumps({"bench": "long_seq", "budget_gib": args.budget_gib, "model": shape,
-                      "zero_stage": 3, "results": results, "ratios": ratios}))  # fmt: skip
+                      "zero_stage": 3, "checkpointing": args.checkpointing, "results": results,
+                      "ratios": ratios}))  # fmt: skip
 
 
 if __name__ == "__main__":
