@@ -13,11 +13,11 @@ from shardspeed.runtime.fp16.onebit.base import OnebitConfigError, OnebitOptimiz
 from shardspeed.runtime.zero.strategy import ZeroStrategy
 
 
-def bind_onebit_optimizer(
+def check_onebit_optimizer(
     optimizer: torch.optim.Optimizer, strategy: ZeroStrategy, topology: ParallelTopology
 ) -> None:
-    """Refuse a combination a 1-bit optimizer cannot run in (ValueError naming the fix), then
-    make it average over the data-parallel group. Does nothing for other optimizers."""
+    """Refuse a combination a 1-bit optimizer cannot run in (ValueError naming the fix), before
+    the strategy takes the optimizer. Does nothing for other optimizers."""
     if not isinstance(optimizer, OnebitOptimizer):
         return
     name = type(optimizer).__name__
@@ -38,6 +38,14 @@ def bind_onebit_optimizer(
                 "1-bit exchange averages whole parameters over one data-parallel group; train "
                 f"without {what} or use the optimizer type Adam"
             )
+
+
+def bind_onebit_optimizer(optimizer: torch.optim.Optimizer, strategy: ZeroStrategy) -> None:
+    """Make a 1-bit optimizer average over the one group the strategy reduces over (refused
+    when there are several: Mixture of Experts). Does nothing for other optimizers."""
+    if not isinstance(optimizer, OnebitOptimizer):
+        return
+    name = type(optimizer).__name__
     if len(strategy.groups) != 1:
         raise OnebitConfigError(
             f"{name} averages every parameter over one group, and this model's parameters "

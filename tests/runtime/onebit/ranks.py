@@ -116,7 +116,7 @@ def train(
         engine.backward(loss)
         engine.step()
         record["volume"].append(comm.get_comm_volume())
-        record["loss"].append(float(loss))
+        record["loss"].append(loss.item())
         record["params"].append([p.detach().clone() for p in engine.module.parameters()])
         if save is not None and step + 1 == save[1]:
             engine.save_checkpoint(save[0], tag="onebit")
@@ -128,9 +128,7 @@ def refused(config_extra: dict[str, Any], kind: str, params: dict[str, Any]) -> 
     """The error message ``initialize`` raises for this setup (empty if none)."""
     torch.manual_seed(0)
     try:
-        shardspeed.initialize(
-            model=GPT(SMALL_GPT), config=_config(kind, params, 2, **config_extra)
-        )
+        shardspeed.initialize(model=GPT(SMALL_GPT), config=_config(kind, params, 2, **config_extra))
     except ValueError as error:
         return f"{type(error).__name__}: {error}"
     return ""

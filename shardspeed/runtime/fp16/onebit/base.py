@@ -114,9 +114,7 @@ class OnebitOptimizer(torch.optim.Optimizer):
         """Give ``state`` zeroed worker/server error buffers for ``numel`` elements."""
         padded = self.backend.padded_size(numel)
         state["worker_error"] = torch.zeros(padded, dtype=torch.float32, device=device)
-        state["server_error"] = torch.zeros(
-            padded // self.size, dtype=torch.float32, device=device
-        )
+        state["server_error"] = torch.zeros(padded // self.size, dtype=torch.float32, device=device)
 
     def average_grad(self, grad: torch.Tensor) -> None:
         """Average ``grad`` over the group at full precision (``non_freeze`` groups)."""
@@ -198,5 +196,7 @@ class OnebitOptimizer(torch.optim.Optimizer):
         mine = blob["ranks"][self.backend.rank]
         for param, saved in zip(self._ordered_params(), mine, strict=True):
             for key, value in saved.items():
-                self.state[param][key] = value.clone().to(param.device)
+                if isinstance(value, torch.Tensor):
+                    value = value.clone().to(param.device)
+                self.state[param][key] = value
         self.load_extra_state(blob["extra"])

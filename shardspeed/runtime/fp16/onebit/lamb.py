@@ -128,7 +128,7 @@ class OnebitLamb(OnebitOptimizer):
         items = self.params_with_grads()
         if not items:
             return loss
-        for group, param in items:
+        for _, param in items:
             state = self.state[param]
             if "step" not in state:
                 state["step"] = 0
@@ -216,7 +216,9 @@ class OnebitLamb(OnebitOptimizer):
         for (group, param), m_last in zip(items, last, strict=True):
             self._frozen_update(group, param, m_last)
 
-    def _frozen_update(self, group: dict[str, Any], param: torch.Tensor, m_last: torch.Tensor) -> None:
+    def _frozen_update(
+        self, group: dict[str, Any], param: torch.Tensor, m_last: torch.Tensor
+    ) -> None:
         state = self.state[param]
         beta1, beta2 = group["betas"]
         m, v, fresh = state["exp_avg"], state["exp_avg_sq"], state["exp_avg_sq_fresh"]
