@@ -18,6 +18,9 @@ from shardspeed.ops.adagrad import DeepSpeedCPUAdagrad
 from shardspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 from shardspeed.ops.lamb import FusedLamb
 from shardspeed.ops.lion import DeepSpeedCPULion, FusedLion
+from shardspeed.runtime.fp16.onebit.adam import OnebitAdam
+from shardspeed.runtime.fp16.onebit.lamb import OnebitLamb
+from shardspeed.runtime.fp16.onebit.zoadam import ZeroOneAdam
 
 ADAGRAD_OPTIMIZER = "adagrad"
 ADAM_OPTIMIZER = "adam"
@@ -53,13 +56,18 @@ DEEPSPEED_OPTIMIZERS = [
 ]
 
 _NOT_YET_SUPPORTED = {
-    ONEBIT_ADAM_OPTIMIZER,
-    ZERO_ONE_ADAM_OPTIMIZER,
-    ONEBIT_LAMB_OPTIMIZER,
     MUADAM_OPTIMIZER,
     MUADAMW_OPTIMIZER,
     MUSGD_OPTIMIZER,
     MUON_OPTIMIZER,
+}
+
+
+#: DeepSpeed's 1-bit optimizers (ZeRO stage 0; checked at initialize)
+_ONEBIT: dict[str, Callable[..., Any]] = {
+    ONEBIT_ADAM_OPTIMIZER: OnebitAdam,
+    ZERO_ONE_ADAM_OPTIMIZER: ZeroOneAdam,
+    ONEBIT_LAMB_OPTIMIZER: OnebitLamb,
 }
 
 
@@ -148,7 +156,8 @@ def build_optimizer(
 
     DeepSpeed's types: ``adam`` (FusedAdam; AdamW unless ``adam_w_mode: false``; with
     ``torch_adam: true``, ``torch.optim.AdamW``/``Adam``), ``adamw`` (always AdamW), ``lamb``
-    (FusedLamb), ``lion`` (FusedLion), ``adagrad`` (``torch.optim.Adagrad``). With
+    (FusedLamb), ``lion`` (FusedLion), ``adagrad`` (``torch.optim.Adagrad``), ``onebitadam``,
+    ``zerooneadam``, ``onebitlamb`` (the 1-bit optimizers, ZeRO stage 0). With
     ``cpu_offload=True`` (ZeRO-Offload) Adam, Lion and Adagrad use DeepSpeedCPUAdam,
     DeepSpeedCPULion and DeepSpeedCPUAdagrad. Any other name is a ``torch.optim`` class.
     ``opt_params`` is not modified.
@@ -172,6 +181,8 @@ def build_optimizer(
         return _build_adam(low, params, kwargs, cpu_offload)
     if low == LAMB_OPTIMIZER:
         return _construct(FusedLamb, params, kwargs)
+    if low in _ONEBIT:
+        return _construct(_ONEBIT[low], params, kwargs)
     if low == LION_OPTIMIZER:
         return _construct(DeepSpeedCPULion if cpu_offload else FusedLion, params, kwargs)
     if low == ADAGRAD_OPTIMIZER:

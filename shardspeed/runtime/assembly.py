@@ -24,6 +24,7 @@ from shardspeed.runtime.dataloader import build_dataloader
 from shardspeed.runtime.engine_monitoring import EngineObservability
 from shardspeed.runtime.engine_parts import EngineParts
 from shardspeed.runtime.expert_groups import expert_comm_for
+from shardspeed.runtime.onebit_setup import bind_onebit_optimizer, check_onebit_optimizer
 from shardspeed.runtime.optimizer_setup import build_basic_optimizer, build_lr_scheduler
 from shardspeed.runtime.precision.autocast import init_autocast_params
 from shardspeed.runtime.precision.loss_scaler import loss_scaler_for_policy
@@ -269,7 +270,9 @@ def assemble(
     )
     wrapped = None
     if basic_optimizer is not None:
+        check_onebit_optimizer(basic_optimizer, strategy, topology)
         strategy.bind_optimizer(basic_optimizer)
+        bind_onebit_optimizer(basic_optimizer, strategy)
         # with an mpu the norm also adds the tensor-parallel shards and pipeline stages
         reducer = model_parallel_reducer(strategy, model, topology)
         wrapped = wrap_optimizer(strategy, config, precision, reducer)

@@ -240,6 +240,21 @@ class DeepSpeedEngine(EngineQueries, EngineStateVerbs, ModuleAttributes, nn.Modu
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._optim.zero_grad(set_to_none)
 
+    @property
+    def enable_backward_allreduce(self) -> bool:
+        """Whether backward all-reduces the gradients (DeepSpeed's attribute). The 1-bit
+        optimizers turn it off through the strategy after their freeze step, without this."""
+        return self.strategy.gradients_allreduced()
+
+    @enable_backward_allreduce.setter
+    def enable_backward_allreduce(self, value: bool) -> None:
+        if not value and not self.strategy.supports_local_gradients:
+            raise ValueError(
+                "enable_backward_allreduce=False leaves gradients local, which only ZeRO stage "
+                f"0 can step from (this engine runs stage {self.strategy.stage})"
+            )
+        self.strategy.backward_allreduce = bool(value)
+
     # -- accumulation boundary ------------------------------------------------------------------
     def is_gradient_accumulation_boundary(self) -> bool:
         return self.accumulation.is_boundary(self.gradient_accumulation_steps())

@@ -27,6 +27,7 @@ class ReplicatedStrategy(ZeroStrategy):
     """Stage 0: replicate everything, all-reduce gradients bucket by bucket."""
 
     stage = 0
+    supports_local_gradients = True
 
     def make_group(self, records: list[ParamRecord], comm_group: CommGroup) -> ShardGroup:
         return ReplicatedGroup(records, comm_group, self.placement, self.group_options())

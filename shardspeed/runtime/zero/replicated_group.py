@@ -90,7 +90,7 @@ class ReplicatedGroup(ShardGroup):
 
     # -- step -------------------------------------------------------------------------------
     def prepare_step(self, inv_loss_scale: float) -> None:
-        if self.comm.partitioned and not self.reduced:
+        if self.comm.partitioned and not self.reduced and not self.local_gradients:
             # e.g. a direct loss.backward(), or no_sync() around the boundary micro-batch: the
             # ranks' gradients were never averaged, and stepping would let the replicas diverge
             raise RuntimeError(

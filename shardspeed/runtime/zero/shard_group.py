@@ -92,6 +92,8 @@ class ShardGroup(ABC):
         self.masters: MasterWeights = self.build_masters()
         #: whether a reducing backward has run since the gradients were last zeroed
         self.reduced = False
+        #: the optimizer exchanges (compressed) state itself: gradients stay local by design
+        self.local_gradients = False
 
     # -- construction (one per kind of group) ------------------------------------------------
     @abstractmethod

@@ -108,6 +108,8 @@ class ZeroStrategy:
     stage: ClassVar[int]
     #: whether ``engine.no_sync()`` may suppress gradient reduction under this strategy
     supports_no_sync: ClassVar[bool] = True
+    #: whether the optimizer may take over gradient averaging (the 1-bit optimizers): stage 0
+    supports_local_gradients: ClassVar[bool] = False
 
     def __init__(self, module: nn.Module, ctx: StrategyContext) -> None:
         self.module = module
@@ -130,6 +132,8 @@ class ZeroStrategy:
         self.groups: list[ShardGroup] = []
         self.optimizer: torch.optim.Optimizer | None = None
         self.stepper = SubGroupStepper(0, None, [])
+        #: DeepSpeed's ``engine.enable_backward_allreduce`` (the engine's property sets it)
+        self.backward_allreduce = True
 
     def _mark_autocast_comm_dtypes(self) -> None:
         """torch_autocast: gradients of lower-precision-safe modules' parameters travel in the
@@ -278,9 +282,19 @@ class ZeroStrategy:
 
     # -- backward: every group in turn ------------------------------------------------------
     def begin_backward(self, reduce: bool) -> None:
-        """Called before autograd runs; ``reduce`` says whether this backward reduces gradients."""
+        """Called before autograd runs; ``reduce`` says whether this backward reduces gradients
+        (never while :meth:`gradients_allreduced` is False: the optimizer averages itself)."""
+        exchanged = self.gradients_allreduced()
         for group in self.groups:
-            group.begin_backward(reduce)
+            group.local_gradients = not exchanged
+            group.begin_backward(reduce and exchanged)
+
+    def gradients_allreduced(self) -> bool:
+        """False while the optimizer exchanges its own compressed state instead of the
+        gradients: ``backward_allreduce`` off, or an optimizer whose
+        ``needs_gradient_allreduce`` says so (the 1-bit optimizers after their freeze)."""
+        wanted = getattr(self.optimizer, "needs_gradient_allreduce", True)
+        return self.backward_allreduce and bool(wanted)
 
     def end_backward(self) -> None:
         """Called after autograd returns: launch what is left and wait for every reduction."""

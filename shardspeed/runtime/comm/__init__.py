@@ -1,0 +1,1 @@
+"""Communication schemes built on :mod:`shardspeed.comm` (DeepSpeed's ``runtime.comm``)."""

@@ -1,0 +1,199 @@
+"""0/1 Adam (https://arxiv.org/abs/2202.06009): the variance is updated, from all-reduced
+gradients, only at steps whose spacing doubles every ``var_update_scaler`` updates; in between,
+gradients are averaged with error-compensated 1-bit compression. After ``var_freeze_step`` the
+variance is frozen and ranks take local steps, synchronising (1-bit) their accumulated update
+every ``local_step_interval`` steps, an interval that doubles every ``local_step_scaler`` steps
+up to ``local_step_clipper``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from shardspeed.runtime.fp16.onebit.base import OnebitOptimizer, check_positive_int
+
+_COUNTERS = (
+    "step_count",
+    "var_updates",
+    "var_interval",
+    "var_counter",
+    "local_step_interval",
+    "local_step_counter",
+    "freeze_key",
+)
+
+
+class ZeroOneAdam(OnebitOptimizer):
+    """0/1 Adam. While every step updates the variance (the first ``var_update_scaler``
+    steps), it equals ``torch.optim.AdamW`` step for step. Between synchronisations ranks hold
+    different parameters (the algorithm's local steps); each synchronisation makes them equal
+    again exactly (every rank adds the same average to the same last synchronised value).
+    ``comm_backend_name`` and ``cuda_aware`` are accepted; all run the same torch collectives."""
+
+    rank_local_keys = ("worker_error", "server_error", "exp_avg", "lrs")
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        deepspeed: Any = None,
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        eps_inside_sqrt: bool = False,
+        weight_decay: float = 0.0,
+        max_grad_norm: float = 0.0,
+        var_freeze_step: int = 100000,
+        var_update_scaler: int = 16,
+        local_step_scaler: int = 32678,
+        local_step_clipper: int = 16,
+        amsgrad: bool = False,
+        cuda_aware: bool = False,
+        comm_backend_name: str = "nccl",
+    ) -> None:
+        owner = type(self).__name__
+        defaults = dict(
+            lr=lr,
+            bias_correction=bias_correction,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            max_grad_norm=max_grad_norm,
+        )
+        super().__init__(
+            params,
+            defaults,
+            deepspeed=deepspeed,
+            amsgrad=amsgrad,
+            cuda_aware=cuda_aware,
+            comm_backend_name=comm_backend_name,
+            eps_inside_sqrt=eps_inside_sqrt,
+        )
+        self.var_freeze_step = check_positive_int(owner, "var_freeze_step", var_freeze_step, 0)
+        self.var_update_scaler = check_positive_int(owner, "var_update_scaler", var_update_scaler)
+        self.local_step_scaler = check_positive_int(owner, "local_step_scaler", local_step_scaler)
+        self.local_step_clipper = check_positive_int(
+            owner, "local_step_clipper", local_step_clipper
+        )
+        self.step_count = 0
+        self.var_updates = 0
+        self.var_interval = 1
+        self.var_counter = 0
+        self.local_step_interval = 1
+        self.local_step_counter = 0
+        #: DeepSpeed's flag: True once the variance is frozen and local steps begin
+        self.freeze_key = False
+
+    @property
+    def needs_gradient_allreduce(self) -> bool:
+        # the next step updates the variance: it needs the exactly averaged gradient
+        return not self.freeze_key and (self.step_count + 1) % self.var_interval == 0
+
+    def extra_state(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in _COUNTERS}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        for name in _COUNTERS:
+            setattr(self, name, state[name])
+
+    def _denom(self, v: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        beta2 = group["betas"][1]
+        bc2 = (1.0 - beta2 ** max(self.var_updates, 1)) if group["bias_correction"] else 1.0
+        if self.eps_mode == 0:
+            return (v / bc2).add_(group["eps"]).sqrt_()
+        return (v.sqrt() / bc2**0.5).add_(group["eps"])
+
+    def _bc1(self, group: dict[str, Any]) -> float:
+        beta1 = group["betas"][0]
+        return (1.0 - beta1**self.step_count) if group["bias_correction"] else 1.0
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """One update from the parameters' ``.grad`` (all-reduced by the engine exactly when
+        :attr:`needs_gradient_allreduce` said so before the backward)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.step_count += 1
+        frozen = self.freeze_key
+        var_step = not frozen and self.step_count % self.var_interval == 0
+        if var_step:
+            self.var_updates += 1
+        sync = frozen and self.step_count % self.local_step_interval == 0
+        numel = 0
+        for group, param in self.params_with_grads():
+            self._update_param(group, param, frozen, var_step, sync)
+            numel += param.numel()
+        if not frozen:
+            if var_step:
+                self.var_counter += 1
+                if self.var_counter == self.var_update_scaler:
+                    self.var_counter, self.var_interval = 0, self.var_interval * 2
+            if self.step_count > self.var_freeze_step:
+                self.freeze_key = True
+                # the errors now compensate another quantity (accumulated updates)
+                for state in self.state.values():
+                    for key in ("worker_error", "server_error"):
+                        if key in state:
+                            state[key].zero_()
+                self.announce_freeze(numel)
+        else:
+            self.local_step_counter += 1
+            if self.local_step_counter == self.local_step_scaler:
+                self.local_step_counter = 0
+                self.local_step_interval = min(
+                    self.local_step_clipper, self.local_step_interval * 2
+                )
+        return loss
+
+    def _exchange(self, tensor: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+        if "worker_error" not in state:
+            self.error_buffers(state, tensor.numel(), tensor.device)
+        if self.size > 1:
+            self.backend.compressed_allreduce(tensor, state["worker_error"], state["server_error"])
+        if "exp_avg_mask" in group:
+            tensor.mul_(group["exp_avg_mask"].to(tensor.device))
+
+    def _update_param(
+        self, group: dict[str, Any], param: torch.Tensor, frozen: bool, var_step: bool, sync: bool
+    ) -> None:
+        grad = param.grad
+        assert grad is not None
+        state = self.state[param]
+        if "exp_avg" not in state:
+            state["exp_avg"] = torch.zeros_like(param)
+            state["exp_avg_sq"] = torch.zeros_like(param)
+            state["lrs"] = 0.0
+        state["step"] = self.step_count
+        beta1, beta2 = group["betas"]
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        if var_step or frozen:
+            if var_step:
+                v.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+            m.lerp_(grad, 1.0 - beta1)
+        else:  # a local gradient: average it at one bit per element
+            averaged = grad.float().clone()
+            self._exchange(averaged, state, group)
+            m.lerp_(averaged.to(m.dtype), 1.0 - beta1)
+        if frozen and "anchor" not in state:
+            state["anchor"] = param.detach().clone()  # the last value every rank agrees on
+        lr = float(group["lr"])
+        denom = self._denom(v, group)
+        if group["weight_decay"] != 0.0:
+            param.mul_(1.0 - lr * group["weight_decay"])
+        param.addcdiv_(m, denom, value=-lr / self._bc1(group))
+        if not frozen:
+            return
+        state["lrs"] += lr
+        if not sync:
+            return
+        # the local steps' total, in momentum units, averaged at one bit per element
+        moved = (param - state["anchor"]).mul_(denom)
+        self._exchange(moved, state, group)
+        m.copy_(moved).mul_(-self._bc1(group) / state["lrs"])
+        param.copy_(state["anchor"] + moved / denom)
+        state["anchor"].copy_(param)
+        state["lrs"] = 0.0

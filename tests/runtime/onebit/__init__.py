@@ -1,0 +1,1 @@
+"""Tests of the 1-bit optimizers."""
