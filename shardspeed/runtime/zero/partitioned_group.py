@@ -65,6 +65,12 @@ class ReducedGradients(ABC):
         """The gradients were zeroed."""
         del group
 
+    def adopt(self, group: PartitionedGroup, bucket: GradBucket, reduced: torch.Tensor) -> bool:
+        """Make ``reduced`` (a tensor nobody else holds) ``bucket``'s chunk itself, instead
+        of copying it in; whether it was taken."""
+        del group, bucket, reduced
+        return False
+
 
 class InPlaceChunks(ReducedGradients):
     """Stage 1: the chunk is this rank's part of the bucket's full gradient buffer."""
@@ -120,6 +126,17 @@ class ChunkBuffers(ReducedGradients):
 
     def after_zero(self, group: PartitionedGroup) -> None:
         group.grad_chunks = [None] * len(group.grad_chunks)
+
+    def adopt(self, group: PartitionedGroup, bucket: GradBucket, reduced: torch.Tensor) -> bool:
+        fits = (
+            group.grad_chunks[bucket.index] is None
+            and reduced.dtype == bucket.dtype
+            and reduced.numel() == group.partition.chunk_numel[bucket.index]
+            and reduced.is_contiguous()
+        )
+        if fits:
+            group.grad_chunks[bucket.index] = reduced.view(-1)
+        return fits
 
 
 class PartitionedGroup(ShardGroup):
@@ -197,6 +214,9 @@ class PartitionedGroup(ShardGroup):
     def _launch(self, bucket: GradBucket) -> None:
         assert bucket.buffer is not None
         source = comm_source(bucket.buffer, bucket.comm_dtype, self.pre_scale)
+        if self.comm.alone:
+            self._keep_alone(bucket, source)
+            return
         target, overwrite = self.mode.target(self, bucket)
         direct = overwrite and target.dtype == source.dtype
         output = target if direct else torch.empty_like(target, dtype=source.dtype)
@@ -213,6 +233,28 @@ class PartitionedGroup(ShardGroup):
                 target.copy_(output)
             else:
                 target.add_(output)
+        self.buckets.release(bucket)
+
+    def _keep_alone(self, bucket: GradBucket, source: torch.Tensor) -> None:
+        """A group of one rank: the reduce-scatter would hand ``source`` back unchanged, so it
+        is not issued (no collective, no receive buffer, no copy); ``source`` is scaled as the
+        reduced result would be and becomes the bucket's chunk where the mode can take it."""
+        if self.post_scale != 1.0:
+            source.mul_(self.post_scale)
+        storage = bucket.storage
+        # the bucket's own buffer can be given away when it is all of its storage (a larger
+        # reused one would stay pinned by the chunk); a cast copy or an adopted gradient can
+        own = source is not bucket.buffer or storage is None or storage.numel() == source.numel()
+        if own and self.mode.adopt(self, bucket, source):
+            if source is bucket.buffer:
+                bucket.storage = None  # the chunk keeps it: not back into the spares
+        else:
+            target, overwrite = self.mode.target(self, bucket)
+            if target.data_ptr() != source.data_ptr():  # (stage 1: the chunk is the buffer)
+                if overwrite:
+                    target.copy_(source)
+                else:
+                    target.add_(source)
         self.buckets.release(bucket)
 
     def end_backward(self) -> None:
