@@ -23,6 +23,7 @@ only the partition and the buckets in flight hold gradients).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
@@ -40,6 +41,31 @@ from shardspeed.runtime.zero.partition import FlatPartition, Piece
 from shardspeed.runtime.zero.records import ParamRecord
 from shardspeed.runtime.zero.reduce_options import accumulation_dtype, comm_source
 from shardspeed.runtime.zero.shard_group import ParamFragment, ShardGroup
+
+
+def master_dtype_copies(
+    masters: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    """Each of ``grads`` in its master's dtype on its master's device: the gradient itself
+    where it is already, else a copy. The copies on one device share one flat buffer, filled
+    by one multi-tensor copy: a step with a bucket per ZeRO-3 unit would otherwise allocate and
+    launch once per bucket (the values are the same casts either way)."""
+    result: list[torch.Tensor | None] = [None] * len(grads)
+    pending: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for index, (master, grad) in enumerate(zip(masters, grads, strict=True)):
+        if grad.device == master.device and grad.dtype == master.dtype:
+            result[index] = grad
+        elif grad.device == master.device:
+            pending.setdefault((master.device, master.dtype), []).append(index)
+        else:  # (offloaded masters: a copy across devices, one each)
+            result[index] = grad.to(master.device, master.dtype)
+    for (device, dtype), indices in pending.items():
+        flat = torch.empty(sum(grads[i].numel() for i in indices), dtype=dtype, device=device)
+        views = list(flat.split([grads[i].numel() for i in indices]))
+        torch._foreach_copy_(views, [grads[i].view(-1) for i in indices])
+        for index, view in zip(indices, views, strict=True):
+            result[index] = view.view_as(grads[index])
+    return [grad for grad in result if grad is not None]
 
 
 class ReducedGradients(ABC):
@@ -290,11 +316,14 @@ class PartitionedGroup(ShardGroup):
                 "backward at the accumulation boundary outside engine.no_sync(); call "
                 "engine.backward() outside no_sync() before engine.step()"
             )
-        for master, grad in zip(self.master_chunks, self.grad_chunks, strict=True):
-            assert grad is not None  # a reducing backward launched every bucket
-            # the chunk itself, or an fp32 copy of it on the master's device (zero_grad drops
-            # either)
-            master.grad = grad.to(master.device, master.dtype)
+        grads = [grad for grad in self.grad_chunks if grad is not None]
+        assert len(grads) == len(self.grad_chunks)  # a reducing backward launched every bucket
+        # the chunk itself, or an fp32 copy of it on the master's device (zero_grad drops
+        # either)
+        for master, grad in zip(
+            self.master_chunks, master_dtype_copies(self.master_chunks, grads), strict=True
+        ):
+            master.grad = grad
         unscale_(self.step_grads(), inv_loss_scale)
 
     def grad_squares(self) -> GradSquares:
