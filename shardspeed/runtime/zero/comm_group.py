@@ -51,6 +51,14 @@ class CommGroup:
         return self.world_size > 1
 
     @property
+    def alone(self) -> bool:
+        """Whether this rank is the only holder of its state: a group of one rank with no
+        replicas, over which every reduce-scatter and all-gather hands back its input."""
+        return self.world_size == 1 and (
+            self.replicated_over is None or self.replicated_over.world_size == 1
+        )
+
+    @property
     def reduces(self) -> bool:
         """Whether reducing gradients over this group changes them (other ranks, or an
         average over more ranks than the group has)."""

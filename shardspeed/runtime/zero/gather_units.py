@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
@@ -69,54 +68,116 @@ def hide_external_parameters(root: nn.Module) -> None:
             del module.__dict__["ds_external_parameters"]
 
 
-@dataclass(eq=False)
+class LiveCount:
+    """How many elements of non-persistent units are gathered now, kept up to date by the
+    units themselves as they change state (the hooks ask at every module call: a sum over all
+    units there made each step quadratic in the number of modules)."""
+
+    __slots__ = ("total",)
+
+    def __init__(self) -> None:
+        self.total = 0
+
+
 class GatherUnit:
-    """The parameters one module's forward needs gathered."""
+    """The parameters one module's forward needs gathered.
 
-    index: int
-    #: the module's qualified name ("" for the root), for error messages
-    name: str
-    module: nn.Module
-    #: parameters that live in this unit
-    records: list[ParamRecord]
-    #: units of parameters the module uses that live elsewhere
-    uses: list[GatherUnit] = field(default_factory=list)
-    flats: list[FlatShard] = field(default_factory=list)
-    #: kept gathered at all times (small parameters, one rank)
-    persistent: bool = False
-    #: how many of its parameters an optimizer trains (set when the optimizer is bound)
-    trained_count: int = 0
-    #: gradients of this unit's trained parameters arrived in the current backward
-    arrived: int = 0
-    #: all-gathers started and not yet waited for
-    pending: list[Any] = field(default_factory=list)
-    #: ``GatheredParameters`` blocks holding it gathered: nothing releases it meanwhile (a
-    #: forward inside the block must not free what the block's code reads after it)
-    holds: int = 0
+    Its buffers change state only through its own methods (:meth:`start_gather`,
+    :meth:`finish_gather`, :meth:`release`) or by being replaced (:attr:`flats`); so whether it
+    is gathered, and its share of the :class:`LiveCount` it reports to, are kept as plain
+    attributes instead of being recomputed from the buffers at every question.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        name: str,
+        module: nn.Module,
+        records: list[ParamRecord],
+        uses: list[GatherUnit] | None = None,
+        flats: list[FlatShard] | None = None,
+        persistent: bool = False,
+    ) -> None:
+        self.index = index
+        #: the module's qualified name ("" for the root), for error messages
+        self.name = name
+        self.module = module
+        #: parameters that live in this unit (fixed: its elements are counted once)
+        self.records = records
+        self.numel: int = sum(r.numel for r in records)
+        #: units of parameters the module uses that live elsewhere
+        self.uses: list[GatherUnit] = uses if uses is not None else []
+        #: kept gathered at all times (small parameters, one rank)
+        self.persistent = persistent
+        #: how many of its parameters an optimizer trains (set when the optimizer is bound)
+        self.trained_count = 0
+        #: gradients of this unit's trained parameters arrived in the current backward
+        self.arrived = 0
+        #: all-gathers started and not yet waited for
+        self.pending: list[Any] = []
+        #: a gather was started and not finished yet (:meth:`finish_gather` has work to do)
+        self.gathering = False
+        #: ``GatheredParameters`` blocks holding it gathered: nothing releases it meanwhile (a
+        #: forward inside the block must not free what the block's code reads after it)
+        self.holds = 0
+        #: the count of gathered elements this unit adds to while gathered (None: not counted)
+        self.live: LiveCount | None = None
+        self._counted = 0
+        self._flats: list[FlatShard] = []
+        self.gathered = True
+        self.flats = flats if flats is not None else []
+
+    def __repr__(self) -> str:
+        return f"GatherUnit({self.index}, {self.name!r}, gathered={self.gathered})"
 
     @property
-    def numel(self) -> int:
-        return sum(r.numel for r in self.records)
+    def flats(self) -> list[FlatShard]:
+        """The unit's buffers (see the module docstring)."""
+        return self._flats
 
-    @property
-    def gathered(self) -> bool:
-        return all(flat.gathered for flat in self.flats)
+    @flats.setter
+    def flats(self, flats: list[FlatShard]) -> None:
+        self._flats = flats
+        self._sync()
+
+    def count_in(self, live: LiveCount) -> None:
+        """Report this unit's gathered elements to ``live`` from now on."""
+        self.live = live
+        self._counted = 0
+        self._sync()
+
+    def set_persistent(self, persistent: bool) -> None:
+        """Keep (or stop keeping) the unit gathered at all times; it leaves the live count."""
+        self.persistent = persistent
+        self._sync()
+
+    def _sync(self) -> None:
+        """Re-read whether the buffers are gathered and settle this unit's live count."""
+        self.gathered = all(flat.gathered for flat in self._flats)
+        if self.live is not None:
+            counted = self.numel if self.gathered and not self.persistent else 0
+            self.live.total += counted - self._counted
+            self._counted = counted
 
     def start_gather(self) -> None:
         """Start all-gathering every released buffer (:meth:`finish_gather` waits)."""
         if self.gathered:
             return
         self._set_state(ParamState.GATHERING)
-        self.pending = [work for flat in self.flats if (work := flat.gather()) is not None]
+        self.pending = [work for flat in self._flats if (work := flat.gather()) is not None]
+        self.gathering = True
+        self._sync()
 
     def finish_gather(self) -> None:
         """Wait for the all-gathers in flight; the parameters are whole after it."""
         for work in self.pending:
             work.wait()
         self.pending = []
-        for flat in self.flats:  # parameter offload: the shards leave memory again
+        self.gathering = False
+        for flat in self._flats:  # parameter offload: the shards leave memory again
             flat.shard_out()
         self._set_state(ParamState.GATHERED)
+        self._sync()
 
     def gather(self) -> None:
         self.start_gather()
@@ -128,11 +189,12 @@ class GatherUnit:
         :meth:`.FlatShard.release`)."""
         if (self.persistent and not force) or self.holds:
             return
-        if self.pending:  # never free memory an all-gather is writing into
+        if self.gathering:  # never free memory an all-gather is writing into
             self.finish_gather()
-        for flat in self.flats:
+        for flat in self._flats:
             flat.release(in_place)
-        self._set_state(ParamState.SHARDED if not self.gathered else ParamState.GATHERED)
+        self._sync()
+        self._set_state(ParamState.GATHERED if self.gathered else ParamState.SHARDED)
 
     def _set_state(self, state: ParamState) -> None:
         for record in self.records:

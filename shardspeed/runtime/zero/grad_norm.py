@@ -62,7 +62,8 @@ def partitioned_squares(
     if grads:
         # per device: offloaded masters' gradients sit in host memory, the rest on the device
         for on_device in _by_device(grads).values():
-            norms = torch.stack([n.double() for n in torch._foreach_norm(on_device, 2.0)])
+            # one cast of the stacked norms, not one per gradient (a launch each on a GPU)
+            norms = torch.stack(torch._foreach_norm(on_device, 2.0)).double()
             squares = squares + norms.square().sum().to(device)
     return GradSquares(squares, group if group.partitioned else None, _spread(group))
 

@@ -45,6 +45,7 @@ from shardspeed.runtime.zero.comm_group import CommGroup
 from shardspeed.runtime.zero.flat_shard import FlatShard, pack_flat_shards
 from shardspeed.runtime.zero.gather_units import (
     GatherUnit,
+    LiveCount,
     constructed_units,
     expose_external_parameters,
     forget_constructed_units,
@@ -115,6 +116,16 @@ class ParamSharding:
         self._bucket_flats: set[int] = set()
         self.options = options
         self.units = plan_units(module, registry)
+        #: the gathered elements of the non-persistent units, kept by the units
+        self.live = LiveCount()
+        for unit in self.units:
+            unit.count_in(self.live)
+        #: whether any buffer can be released at all (else, one rank without NVMe offload:
+        #: every unit is gathered for good, and the hooks skip releasing and prefetching)
+        self.moves = False
+        #: the trained parameters whose gradients release their unit (hooked while ``moves``)
+        self._watched: list[ParamRecord] = []
+        self._grad_handles: list[Any] = []
         self._in_backward = False
         #: the root module's hooks around the whole forward, and the gradient hooks
         self._handles: list[Any] = []
@@ -141,6 +152,21 @@ class ParamSharding:
         for unit in self.units:
             if not unit.persistent:
                 self._offload_unit(unit)
+        self._update_moves()
+
+    def _update_moves(self) -> None:
+        """Find out whether any buffer can be released (the buffers changed), and hook the
+        watched gradients if one can."""
+        self.moves = any(
+            flat.comm.partitioned or flat.residency.swapped
+            for unit in self.units
+            for flat in unit.flats
+        )
+        if self.moves and not self._grad_handles:
+            self._grad_handles = [
+                record.param.register_post_accumulate_grad_hook(partial(self._on_grad, record))
+                for record in self._watched
+            ]
 
     def _offload_unit_agreed(self, unit: GatherUnit) -> None:
         """Offload ``unit``; with NVMe, every rank learns whether every rank could (a full
@@ -217,7 +243,7 @@ class ParamSharding:
                 self._broadcast(unit.flats)
             small = all(r.numel < self.options.param_persistence_threshold for r in unit.records)
             if small and unit.numel <= budget:
-                unit.persistent = True
+                unit.set_persistent(True)
                 budget -= unit.numel
             unit.finish_gather()
             for record in unit.records:
@@ -234,6 +260,7 @@ class ParamSharding:
                     if left[id(source)] == 0:
                         source.flats = []  # every parameter moved: its shards go
         forget_constructed_units(self.module)
+        self._update_moves()
         # the whole forward's start: before every unit's hooks (its end: install_hooks)
         self._handles.append(
             self.module.register_forward_pre_hook(self._begin_forward, prepend=True)
@@ -289,6 +316,7 @@ class ParamSharding:
         unit = next((u for u in self.units if u.module is module), None)
         if unit is None:
             unit = GatherUnit(len(self.units), type(module).__name__, module, [])
+            unit.count_in(self.live)
             self.units.append(unit)
             self.install_hooks([unit])
         if home not in unit.uses:
@@ -318,19 +346,25 @@ class ParamSharding:
         return [unit for unit in self.units if id(unit.module) in inside]
 
     def watch_gradients(self, records: Iterable[ParamRecord]) -> None:
-        """Release a unit once all its trained parameters got their gradients."""
+        """Release a unit once all its trained parameters got their gradients (hooked only
+        where a unit can be released: one more per-parameter hook is a Python call per
+        gradient)."""
         for record in records:
             assert record.unit is not None
             record.unit.trained_count += 1
-            self._handles.append(
-                record.param.register_post_accumulate_grad_hook(partial(self._on_grad, record))
-            )
+            self._watched.append(record)
+        for handle in self._grad_handles:
+            handle.remove()
+        self._grad_handles = []
+        self._update_moves()
 
     def remove_hooks(self) -> None:
         """Remove every hook and DeepSpeed view this sharding installed (destroy)."""
-        for handle in self._handles:
+        for handle in [*self._handles, *self._grad_handles]:
             handle.remove()
         self._handles.clear()
+        self._grad_handles = []
+        self._watched = []
         self.hooks.remove_all()
         if self._end_handle is not None:
             self._end_handle.remove()
@@ -347,7 +381,8 @@ class ParamSharding:
         for unit in chosen:
             unit.start_gather()
         for unit in chosen:
-            unit.finish_gather()
+            if unit.gathering:  # (started here or ahead; a gathered unit has nothing to wait)
+                unit.finish_gather()
 
     def fetch(self, unit: GatherUnit) -> None:
         """Gather ``unit`` and the units it uses, within ``stage3_max_live_parameters``."""
@@ -375,11 +410,12 @@ class ParamSharding:
         self.peak_live = max(self.peak_live, live + needed)
 
     def _advance(self, phase: int, unit: GatherUnit) -> None:
-        self.peak_live = max(self.peak_live, self.prefetcher.advance(phase, unit))
+        live = self.prefetcher.advance(phase, unit, start=self.moves)
+        self.peak_live = max(self.peak_live, live)
 
     def live_numel(self) -> int:
         """Elements of the non-persistent units gathered now."""
-        return sum(u.numel for u in self.units if u.gathered and not u.persistent)
+        return self.live.total
 
     def release(self, unit: GatherUnit) -> None:
         """Release ``unit`` and the units it uses, except those held for the next micro-step."""
@@ -392,6 +428,8 @@ class ParamSharding:
             unit.release(in_place=True)
 
     def release_all(self) -> None:
+        if not self.moves:
+            return
         for unit in self.units:
             self._release_one(unit)
 
@@ -464,7 +502,7 @@ class ParamSharding:
         for used in (unit, *unit.uses):
             for record in used.records:
                 record.active.discard(unit.index)
-        if self._in_backward:
+        if self._in_backward or not self.moves:  # (nothing to release, nothing to keep)
             return
         if self.prefetcher.keep(unit):
             for used in unit.uses:

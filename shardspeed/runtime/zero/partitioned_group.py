@@ -23,6 +23,7 @@ only the partition and the buckets in flight hold gradients).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
@@ -40,6 +41,31 @@ from shardspeed.runtime.zero.partition import FlatPartition, Piece
 from shardspeed.runtime.zero.records import ParamRecord
 from shardspeed.runtime.zero.reduce_options import accumulation_dtype, comm_source
 from shardspeed.runtime.zero.shard_group import ParamFragment, ShardGroup
+
+
+def master_dtype_copies(
+    masters: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    """Each of ``grads`` in its master's dtype on its master's device: the gradient itself
+    where it is already, else a copy. The copies on one device share one flat buffer, filled
+    by one multi-tensor copy: a step with a bucket per ZeRO-3 unit would otherwise allocate and
+    launch once per bucket (the values are the same casts either way)."""
+    result: list[torch.Tensor | None] = [None] * len(grads)
+    pending: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for index, (master, grad) in enumerate(zip(masters, grads, strict=True)):
+        if grad.device == master.device and grad.dtype == master.dtype:
+            result[index] = grad
+        elif grad.device == master.device:
+            pending.setdefault((master.device, master.dtype), []).append(index)
+        else:  # (offloaded masters: a copy across devices, one each)
+            result[index] = grad.to(master.device, master.dtype)
+    for (device, dtype), indices in pending.items():
+        flat = torch.empty(sum(grads[i].numel() for i in indices), dtype=dtype, device=device)
+        views = list(flat.split([grads[i].numel() for i in indices]))
+        torch._foreach_copy_(views, [grads[i].view(-1) for i in indices])
+        for index, view in zip(indices, views, strict=True):
+            result[index] = view.view_as(grads[index])
+    return [grad for grad in result if grad is not None]
 
 
 class ReducedGradients(ABC):
@@ -64,6 +90,12 @@ class ReducedGradients(ABC):
     def after_zero(self, group: PartitionedGroup) -> None:
         """The gradients were zeroed."""
         del group
+
+    def adopt(self, group: PartitionedGroup, bucket: GradBucket, reduced: torch.Tensor) -> bool:
+        """Make ``reduced`` (a tensor nobody else holds) ``bucket``'s chunk itself, instead
+        of copying it in; whether it was taken."""
+        del group, bucket, reduced
+        return False
 
 
 class InPlaceChunks(ReducedGradients):
@@ -120,6 +152,17 @@ class ChunkBuffers(ReducedGradients):
 
     def after_zero(self, group: PartitionedGroup) -> None:
         group.grad_chunks = [None] * len(group.grad_chunks)
+
+    def adopt(self, group: PartitionedGroup, bucket: GradBucket, reduced: torch.Tensor) -> bool:
+        fits = (
+            group.grad_chunks[bucket.index] is None
+            and reduced.dtype == bucket.dtype
+            and reduced.numel() == group.partition.chunk_numel[bucket.index]
+            and reduced.is_contiguous()
+        )
+        if fits:
+            group.grad_chunks[bucket.index] = reduced.view(-1)
+        return fits
 
 
 class PartitionedGroup(ShardGroup):
@@ -197,6 +240,9 @@ class PartitionedGroup(ShardGroup):
     def _launch(self, bucket: GradBucket) -> None:
         assert bucket.buffer is not None
         source = comm_source(bucket.buffer, bucket.comm_dtype, self.pre_scale)
+        if self.comm.alone:
+            self._keep_alone(bucket, source)
+            return
         target, overwrite = self.mode.target(self, bucket)
         direct = overwrite and target.dtype == source.dtype
         output = target if direct else torch.empty_like(target, dtype=source.dtype)
@@ -213,6 +259,28 @@ class PartitionedGroup(ShardGroup):
                 target.copy_(output)
             else:
                 target.add_(output)
+        self.buckets.release(bucket)
+
+    def _keep_alone(self, bucket: GradBucket, source: torch.Tensor) -> None:
+        """A group of one rank: the reduce-scatter would hand ``source`` back unchanged, so it
+        is not issued (no collective, no receive buffer, no copy); ``source`` is scaled as the
+        reduced result would be and becomes the bucket's chunk where the mode can take it."""
+        if self.post_scale != 1.0:
+            source.mul_(self.post_scale)
+        storage = bucket.storage
+        # the bucket's own buffer can be given away when it is all of its storage (a larger
+        # reused one would stay pinned by the chunk); a cast copy or an adopted gradient can
+        own = source is not bucket.buffer or storage is None or storage.numel() == source.numel()
+        if own and self.mode.adopt(self, bucket, source):
+            if source is bucket.buffer:
+                bucket.storage = None  # the chunk keeps it: not back into the spares
+        else:
+            target, overwrite = self.mode.target(self, bucket)
+            if target.data_ptr() != source.data_ptr():  # (stage 1: the chunk is the buffer)
+                if overwrite:
+                    target.copy_(source)
+                else:
+                    target.add_(source)
         self.buckets.release(bucket)
 
     def end_backward(self) -> None:
@@ -248,11 +316,14 @@ class PartitionedGroup(ShardGroup):
                 "backward at the accumulation boundary outside engine.no_sync(); call "
                 "engine.backward() outside no_sync() before engine.step()"
             )
-        for master, grad in zip(self.master_chunks, self.grad_chunks, strict=True):
-            assert grad is not None  # a reducing backward launched every bucket
-            # the chunk itself, or an fp32 copy of it on the master's device (zero_grad drops
-            # either)
-            master.grad = grad.to(master.device, master.dtype)
+        grads = [grad for grad in self.grad_chunks if grad is not None]
+        assert len(grads) == len(self.grad_chunks)  # a reducing backward launched every bucket
+        # the chunk itself, or an fp32 copy of it on the master's device (zero_grad drops
+        # either)
+        for master, grad in zip(
+            self.master_chunks, master_dtype_copies(self.master_chunks, grads), strict=True
+        ):
+            master.grad = grad
         unscale_(self.step_grads(), inv_loss_scale)
 
     def grad_squares(self) -> GradSquares:

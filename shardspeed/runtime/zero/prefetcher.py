@@ -68,11 +68,15 @@ class Prefetcher:
         self._kept = [u for u in self._kept if u is not unit]
         self._ahead = [u for u in self._ahead if u is not unit and u not in unit.uses]
 
-    def advance(self, phase: int, unit: GatherUnit) -> int:
-        """Record ``unit`` and start the predicted next units; returns the live elements."""
+    def advance(self, phase: int, unit: GatherUnit, start: bool = True) -> int:
+        """Record ``unit`` and start the predicted next units (not when ``start`` is false:
+        no unit can be released, so every one is gathered already); returns the live
+        elements."""
         trace = self.traces[phase]
         if not trace.visit(unit.index):
             self.drop()
+            return self._live()
+        if not start:
             return self._live()
         ahead = sum(u.numel for u in self._ahead)
         live = self._live()

@@ -75,9 +75,17 @@ class ShardedParamsGroup(PartitionedGroup):
     def after_step(self) -> None:
         """The updated fp32 masters into the shards (cast; a shard swapped to NVMe is read,
         written and swapped out again), then gathered units follow."""
+        batched: list[tuple[torch.Tensor, torch.Tensor]] = []
         for flat, master in zip(self.shards, self.master_chunks, strict=True):
-            if master is not flat.shard:
+            if master is flat.shard:
+                continue
+            if flat.residency.swapped or flat.shard.device != master.device:
                 flat.set_shard(master)
+            else:  # in memory: no residency step, so one multi-tensor copy does them all
+                batched.append((flat.shard, master))
+        if batched:
+            shards, masters = zip(*batched, strict=True)
+            torch._foreach_copy_(list(shards), list(masters))
         if self.comm.partitioned:
             self._gather_params()
 
