@@ -90,7 +90,9 @@ def model_state_bytes(mode: str, params: int, world: int, elem: int = 4) -> int:
     DDP: params + grads + its gradient buckets (a second copy of the grads) + 2 moments.
     Stage 0: params + grads (bucket views) + 2 moments. Stage 1: params + full grads, and per
     partition (Ψ/N) the fp32 master, reduced gradient and 2 moments. Stage 2: params and the
-    four partition tensors (plus the buckets in flight, not counted).
+    four partition tensors (plus the buckets in flight, not counted). Stage 3: the parameter
+    shard (fp32: the optimizer steps it directly), its gradient and 2 moments (the gathered
+    units in flight not counted).
     """
     psi, part = params, -(-params // world)
     per_mode = {
@@ -98,6 +100,7 @@ def model_state_bytes(mode: str, params: int, world: int, elem: int = 4) -> int:
         "shardspeed_stage0": 3 * psi + psi,
         "shardspeed_stage1": 2 * psi + 4 * part,
         "shardspeed_stage2": psi + 4 * part,
+        "shardspeed_stage3": 4 * part,
     }
     return per_mode[mode] * elem
 
