@@ -105,15 +105,26 @@ LOCAL_STEPS = {
 
 
 @pytest.mark.timeout(300)
-def test_zero_one_adam_resumes_exactly_between_synchronisations(dist_pool, tmp_path):
+@pytest.mark.parametrize("precision", [{}, {"bf16": {"enabled": True}}], ids=["fp32", "bf16"])
+def test_zero_one_adam_resumes_exactly_between_synchronisations(dist_pool, tmp_path, precision):
+    # bf16: the optimizer steps fp32 masters, which the load first sets from rank 0's
     pool = dist_pool(2)
     save_after = 10  # after two local steps: the next synchronisation is step 12
     folder = str(tmp_path)
-    whole = pool.run(train, "ZeroOneAdam", LOCAL_STEPS, save_after + 3, save=(folder, save_after))
+    whole = pool.run(
+        train,
+        "ZeroOneAdam",
+        LOCAL_STEPS,
+        save_after + 3,
+        save=(folder, save_after),
+        extra=precision,
+    )
     at_save = [record["params"][save_after - 1] for record in whole]
     # the ranks really hold different parameters at the save (rank 0's alone would not do)
     assert any(not torch.equal(a, b) for a, b in zip(*at_save, strict=True))
-    resumed = pool.run(train, "ZeroOneAdam", LOCAL_STEPS, 3, load=folder, start=save_after)
+    resumed = pool.run(
+        train, "ZeroOneAdam", LOCAL_STEPS, 3, load=folder, start=save_after, extra=precision
+    )
     for rank, (full, again) in enumerate(zip(whole, resumed, strict=True)):
         for step in range(3):
             for a, b in zip(full["params"][save_after + step], again["params"][step], strict=True):
