@@ -28,6 +28,7 @@ from shardspeed.checkpoint.manifest import check_tag
 from shardspeed.checkpoint.planner import PLAN_KEY, LoadPlan, plan_load, read_record
 from shardspeed.checkpoint.tp_layout import tp_record_of
 from shardspeed.runtime import checkpointer
+from shardspeed.runtime.onebit_setup import restore_onebit_params
 from shardspeed.runtime.rank_agreement import agree_on
 from shardspeed.utils.logging import log_dist
 
@@ -115,6 +116,9 @@ def read_checkpoint(
         # no optimizer state loaded, or zero_optimization.load_from_fp32_weights=false: the
         # master weights follow the (possibly 16-bit) module weights just loaded
         engine.strategy.load_state_dict({})
+    if saved is not None:
+        # 0/1 Adam saved between synchronisations: each rank's own weights win over rank 0's
+        restore_onebit_params(engine)
     if (
         options.lr_scheduler_states
         and engine.lr_scheduler is not None

@@ -57,3 +57,14 @@ def bind_onebit_optimizer(optimizer: torch.optim.Optimizer, strategy: ZeroStrate
 def is_onebit(optimizer: Any) -> bool:
     """Whether ``optimizer`` is one of the 1-bit optimizers."""
     return isinstance(optimizer, OnebitOptimizer)
+
+
+def restore_onebit_params(engine: Any) -> None:
+    """After a checkpoint load: put back the rank-local parameters a 1-bit optimizer's state
+    carried (0/1 Adam saved between synchronisations) over the rank-0 weights loaded into the
+    module and the masters, and cast them into the module. Does nothing for other optimizers."""
+    optimizer = getattr(engine.optimizer, "optimizer", None)
+    if not isinstance(optimizer, OnebitOptimizer) or not optimizer.restore_local_params():
+        return
+    for group in engine.strategy.groups:
+        group.masters.copy_master_to_model()  # a no-op when the masters are the parameters

@@ -91,3 +91,42 @@ def test_convergence_within_two_percent(dist_pool):
         finals[kind] = _final(pool.run(train, kind, {**lr[peer], **params}, STEPS)[0]["loss"])
         assert finals[kind] <= reference[peer] * 1.02, (kind, finals[kind], reference[peer])
     print(f"final losses: {reference} {finals}")
+
+
+# 0/1 Adam whose local step interval grows to 4 quickly: steps 6-8 and 12 synchronise, steps
+# 9-11 and 13 are local (the ranks' parameters differ after them)
+LOCAL_STEPS = {
+    **BASE,
+    "var_freeze_step": 4,
+    "var_update_scaler": 2,
+    "local_step_scaler": 2,
+    "local_step_clipper": 4,
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("precision", [{}, {"bf16": {"enabled": True}}], ids=["fp32", "bf16"])
+def test_zero_one_adam_resumes_exactly_between_synchronisations(dist_pool, tmp_path, precision):
+    # bf16: the optimizer steps fp32 masters, which the load first sets from rank 0's
+    pool = dist_pool(2)
+    save_after = 10  # after two local steps: the next synchronisation is step 12
+    folder = str(tmp_path)
+    whole = pool.run(
+        train,
+        "ZeroOneAdam",
+        LOCAL_STEPS,
+        save_after + 3,
+        save=(folder, save_after),
+        extra=precision,
+    )
+    at_save = [record["params"][save_after - 1] for record in whole]
+    # the ranks really hold different parameters at the save (rank 0's alone would not do)
+    assert any(not torch.equal(a, b) for a, b in zip(*at_save, strict=True))
+    resumed = pool.run(
+        train, "ZeroOneAdam", LOCAL_STEPS, 3, load=folder, start=save_after, extra=precision
+    )
+    for rank, (full, again) in enumerate(zip(whole, resumed, strict=True)):
+        for step in range(3):
+            for a, b in zip(full["params"][save_after + step], again["params"][step], strict=True):
+                assert torch.equal(a, b), (rank, step)
+        assert again["allreduce"] == [False] * 3

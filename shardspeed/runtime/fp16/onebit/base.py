@@ -146,6 +146,12 @@ class OnebitOptimizer(torch.optim.Optimizer):
         """Restore :meth:`extra_state`."""
         del state
 
+    def restore_local_params(self) -> bool:
+        """Write again the rank-local parameter values the last :meth:`load_state_dict`
+        restored, over weights loaded since (True if there were any; only 0/1 Adam has them:
+        its ranks' parameters differ between synchronisations)."""
+        return False
+
     def _ordered_params(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
 

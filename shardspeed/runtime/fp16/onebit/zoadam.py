@@ -3,7 +3,18 @@ gradients, only at steps whose spacing doubles every ``var_update_scaler`` updat
 gradients are averaged with error-compensated 1-bit compression. After ``var_freeze_step`` the
 variance is frozen and ranks take local steps, synchronising (1-bit) their accumulated update
 every ``local_step_interval`` steps, an interval that doubles every ``local_step_scaler`` steps
-up to ``local_step_clipper``."""
+up to ``local_step_clipper``.
+
+Checkpoints between synchronisations: the ranks' parameters then differ, and the engine saves
+only rank 0's. :meth:`ZeroOneAdam.state_dict` therefore also gathers, from every rank, each
+parameter that has moved away from its last synchronised value (``anchor``), and
+:meth:`ZeroOneAdam.load_state_dict` puts this rank's own back (a parameter that has not moved
+takes the anchor), so a resume from any step is bit-exact. Cost: nothing at a synchronisation
+step or before the freeze; between synchronisations every rank's moved parameters, in the
+optimizer's dtype (fp32 masters), i.e. up to ``world_size`` extra copies of the model in the
+checkpoint and, during the save, in every rank's memory (gathered like the error buffers).
+The resume needs the same world size (refused otherwise, as for the error buffers).
+"""
 
 from __future__ import annotations
 
@@ -12,7 +23,8 @@ from typing import Any
 
 import torch
 
-from shardspeed.runtime.fp16.onebit.base import OnebitOptimizer, check_positive_int
+from shardspeed import comm
+from shardspeed.runtime.fp16.onebit.base import STATE_KEY, OnebitOptimizer, check_positive_int
 
 _COUNTERS = (
     "step_count",
@@ -85,6 +97,8 @@ class ZeroOneAdam(OnebitOptimizer):
         self.local_step_counter = 0
         #: DeepSpeed's flag: True once the variance is frozen and local steps begin
         self.freeze_key = False
+        # this rank's parameter values from the last load_state_dict, until the next step
+        self._restored: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     @property
     def needs_gradient_allreduce(self) -> bool:
@@ -97,6 +111,51 @@ class ZeroOneAdam(OnebitOptimizer):
     def load_extra_state(self, state: dict[str, Any]) -> None:
         for name in _COUNTERS:
             setattr(self, name, state[name])
+
+    def _moved_params(self) -> dict[int, torch.Tensor]:
+        """This rank's parameters that differ from their last synchronised value, by position."""
+        moved = {}
+        for index, param in enumerate(self._ordered_params()):
+            anchor = self.state[param].get("anchor") if param in self.state else None
+            if anchor is not None and not torch.equal(param, anchor):
+                moved[index] = param.detach().clone()
+        return moved
+
+    def state_dict(self) -> dict[str, Any]:
+        """:meth:`OnebitOptimizer.state_dict` plus every rank's moved parameters (local steps
+        since the last synchronisation) under ``"local_params"``. Every rank must call it."""
+        saved = super().state_dict()
+        local = self._moved_params()
+        ranks = [local]
+        if self.size > 1:
+            ranks = [{} for _ in range(self.size)]
+            comm.all_gather_object(ranks, local, group=self.backend.group)
+        saved["param_groups"][0][STATE_KEY]["local_params"] = ranks
+        return saved
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """:meth:`OnebitOptimizer.load_state_dict`, then this rank's own parameter values
+        written into the parameters it steps (the engine loaded rank 0's weights before; it
+        calls :meth:`restore_local_params` again after anything else it loads)."""
+        groups = state_dict["param_groups"]
+        blob = groups[0].get(STATE_KEY) if groups else None
+        super().load_state_dict(state_dict)
+        self._restored = []
+        if blob is None or "local_params" not in blob:
+            return  # an older checkpoint: exact only if saved at a synchronisation step
+        mine = blob["local_params"][self.backend.rank]
+        for index, param in enumerate(self._ordered_params()):
+            anchor = self.state[param].get("anchor") if param in self.state else None
+            value = mine.get(index, anchor)
+            if value is not None:
+                self._restored.append((param, value.to(param.device, param.dtype)))
+        self.restore_local_params()
+
+    @torch.no_grad()
+    def restore_local_params(self) -> bool:
+        for param, value in self._restored:
+            param.copy_(value)
+        return bool(self._restored)
 
     def _denom(self, v: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
         beta2 = group["betas"][1]
@@ -117,6 +176,7 @@ class ZeroOneAdam(OnebitOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._restored = []  # the parameters have been restored: free the copies
         self.step_count += 1
         frozen = self.freeze_key
         var_step = not frozen and self.step_count % self.var_interval == 0
