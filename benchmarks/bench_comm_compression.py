@@ -119,7 +119,9 @@ def _counting_allreduce_hook(state: _DDPCounter, bucket: Any) -> Any:
 
     buffer = bucket.buffer()
     state.bus_bytes += buffer.numel() * buffer.element_size() * state.factor
-    return allreduce_hook(None, bucket)
+    world = dist.group.WORLD
+    assert world is not None  # the process group is up: DDP was built on it
+    return allreduce_hook(world, bucket)
 
 
 # DDP checks the hook's annotations as objects; this module's are strings (postponed evaluation)
