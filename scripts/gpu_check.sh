@@ -7,13 +7,15 @@
 # figures (tokens/s, MFU, peak memory against plain PyTorch / Hugging Face eager), then
 # benchmarks/bench_alst_gpu.py's (ALST at 16K-256K tokens against HF gradient checkpointing).
 # Each part has its own time limit; a failing part does not stop the others. Everything lands
-# in $OUT (or a temporary folder): gpu_summary.md (one line a part), bench_*.json and a log per
-# part (at most 8 files come back from a device run: tar them into one).
+# in $OUT (or a temporary folder): gpu_summary.md (one line a part), bench_*.json, and the
+# parts' logs in gpu_check_logs.tgz (a device run returns at most 8 files).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# the lent machines have python3 (the one holding torch) and may have no plain `python`
+PY=${PYTHON:-$(command -v python3 || command -v python)}
 summary="$OUT/gpu_summary.md"
 started=$(date +%s)
 
@@ -29,26 +31,26 @@ part() {  # part NAME SECONDS COMMAND...: run with a limit, log it, add a summar
 {
   echo "# shardspeed GPU check $(date -u +%FT%TZ) on $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -2
-  python -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.is_available())"
+  "$PY" -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.is_available())"
   echo
   echo "| part | status | time | last line |"
   echo "|---|---|---|---|"
 } >"$summary"
 
 # shardspeed's own dependencies the device may lack, from the carried wheelhouse (no network)
-missing=$(python - <<'PY'
+missing=$("$PY" - <<'PY'
 import importlib.util
 names = {"pydantic": "pydantic>=2", "hjson": "hjson", "pytest": "pytest", "pytest_timeout": "pytest-timeout"}
 print(" ".join(spec for mod, spec in names.items() if importlib.util.find_spec(mod) is None))
 PY
 )
 if [ -n "$missing" ]; then
-  part install 120 python -m pip install --no-index --find-links .gpu_wheels $missing
+  part install 120 "$PY" -m pip install --no-index --find-links .gpu_wheels $missing
 fi
-part import 60 python -c "import shardspeed, shardspeed.runtime.engine; from shardspeed.accelerator import get_accelerator; print('shardspeed', shardspeed.__version__, 'accelerator', get_accelerator().device_name())"
+part import 60 "$PY" -c "import shardspeed, shardspeed.runtime.engine; from shardspeed.accelerator import get_accelerator; print('shardspeed', shardspeed.__version__, 'accelerator', get_accelerator().device_name())"
 
 # the tests that skip without CUDA, and the ones that touch the accelerator
-part cuda_tests 150 python -m pytest -q -p no:cacheprovider --timeout 120 \
+part cuda_tests 150 "$PY" -m pytest -q -p no:cacheprovider --timeout 120 \
   tests/accelerator tests/runtime/precision/test_overflow.py tests/ops/test_optimizers.py \
   tests/inference/test_cuda_graph.py tests/compat/test_op_builder.py
 
@@ -56,14 +58,16 @@ part cuda_tests 150 python -m pytest -q -p no:cacheprovider --timeout 120 \
 # (GPU_CHECK_BENCH_ARGS=--tiny tries the script on a CPU machine in seconds)
 nvme="${NVME_DIR:-/tmp}"
 extra=${GPU_CHECK_BENCH_ARGS:-}
-part bench_train 210 python benchmarks/bench_gpu.py --only train --nvme_dir "$nvme" $extra
-part bench_decode 90 python benchmarks/bench_gpu.py --only decode $extra
+part bench_train 210 "$PY" benchmarks/bench_gpu.py --only train --nvme_dir "$nvme" $extra
+part bench_decode 90 "$PY" benchmarks/bench_gpu.py --only decode $extra
 # ALST's single-device parts (tiled MLP and loss, hidden states offloaded) against HF checkpointing
-part bench_alst 150 python benchmarks/bench_alst_gpu.py $extra
+part bench_alst 150 "$PY" benchmarks/bench_alst_gpu.py $extra
 for what in train decode alst; do
   tail -n 1 "$OUT/bench_$what.log" >"$OUT/bench_$what.json"
 done
 
 echo >>"$summary"
 echo "total $(($(date +%s) - started)) s; figures in bench_train.json / bench_decode.json / bench_alst.json" >>"$summary"
+# a device run returns at most 8 files: the logs travel as one archive beside the summary and JSON
+(cd "$OUT" && tar czf gpu_check_logs.tgz ./*.log && rm -f ./*.log)
 cat "$summary"
