@@ -12,6 +12,10 @@ is averaged over the group in two phases, each sending one sign bit per element 
    The packed signs and scales are ``all_gather``\\ ed, and every rank rebuilds the whole
    averaged buffer as ``server_scale_j * sign_j`` for chunk ``j``.
 
+:meth:`CompressedBackend.compressed_allreduce_many` averages several buffers with the same
+numerics, each with its own scales, error buffers and chunking, but in 4 collectives in all:
+each phase's signs and scales of every buffer travel in one message.
+
 ``sign(0)`` is +1 (one bit cannot say zero). Bus bytes: ``(world-1)/world * n/4`` against the fp32
 all-reduce's ``(world-1)/world * 8n``, i.e. 1/32, plus ``8 * world`` bytes of scales. Only
 :mod:`shardspeed.comm` collectives are used, so it runs on any backend (gloo, nccl, ...);
@@ -21,6 +25,7 @@ DeepSpeed's "nccl" and "mpi" 1-bit backends compute the same thing with other tr
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -81,35 +86,83 @@ class CompressedBackend:
         """Replace ``buffer`` by the group's error-compensated 1-bit average of it (in place,
         also returned); ``worker_error`` (:meth:`padded_size` elements) and ``server_error``
         (that over the group size) are updated. Every rank ends with the same values."""
-        n = worker_error.numel()
-        chunk = n // self.size
-        if server_error.numel() != chunk or n % (8 * self.size) != 0 or n < buffer.numel():
+        return self.compressed_allreduce_many([buffer], [worker_error], [server_error])[0]
+
+    def compressed_allreduce_many(
+        self,
+        buffers: Sequence[torch.Tensor],
+        worker_errors: Sequence[torch.Tensor],
+        server_errors: Sequence[torch.Tensor],
+    ) -> list[torch.Tensor]:
+        """:meth:`compressed_allreduce` of every buffer, bit-identical to one call per buffer
+        (each keeps its own scales, error buffers and chunking), in 4 collectives in all.
+
+        Every rank must pass buffers of the same sizes in the same order."""
+        if not len(buffers) == len(worker_errors) == len(server_errors):
             raise ValueError(
-                f"compressed_allreduce: error buffers of {n} and {server_error.numel()} elements "
-                f"do not fit a buffer of {buffer.numel()} over {self.size} ranks; size them with "
-                "padded_size()"
+                f"compressed_allreduce_many: {len(buffers)} buffers, {len(worker_errors)} "
+                f"worker errors and {len(server_errors)} server errors; pass one of each per buffer"
             )
-        flat = torch.zeros(n, dtype=torch.float32, device=buffer.device)
-        flat[: buffer.numel()] = buffer.reshape(-1)
-        scale, packed = _compress(flat, worker_error)
-        # phase 1: rank r receives every rank's signs of chunk r, and every rank's scale
-        received = torch.empty_like(packed)
-        comm.all_to_all_single(received, packed, group=self.group)
-        scales = [torch.empty_like(scale) for _ in range(self.size)]
-        comm.all_gather(scales, scale, group=self.group)
-        worker_signs = unpack_signs(received).reshape(self.size, chunk)
-        weights = torch.cat(scales).reshape(self.size, 1) / self.size
-        served = (worker_signs * weights).sum(dim=0)
-        # phase 2: compress this rank's averaged chunk again and share it with everyone
-        server_scale, server_packed = _compress(served, server_error)
-        chunks = [torch.empty_like(server_packed) for _ in range(self.size)]
-        comm.all_gather(chunks, server_packed, group=self.group)
-        server_scales = [torch.empty_like(server_scale) for _ in range(self.size)]
-        comm.all_gather(server_scales, server_scale, group=self.group)
-        rebuilt = unpack_signs(torch.cat(chunks)).reshape(self.size, chunk)
-        rebuilt.mul_(torch.cat(server_scales).reshape(self.size, 1))
-        buffer.copy_(rebuilt.reshape(-1)[: buffer.numel()].view_as(buffer))
-        return buffer
+        if not buffers:
+            return []
+        chunks: list[int] = []
+        for buffer, worker_error, server_error in zip(
+            buffers, worker_errors, server_errors, strict=True
+        ):
+            n = worker_error.numel()
+            if (
+                server_error.numel() != n // self.size
+                or n % (8 * self.size) != 0
+                or n < buffer.numel()
+            ):
+                raise ValueError(
+                    f"compressed_allreduce: error buffers of {n} and {server_error.numel()} "
+                    f"elements do not fit a buffer of {buffer.numel()} over {self.size} ranks; "
+                    "size them with padded_size()"
+                )
+            chunks.append(n // self.size)
+        device = buffers[0].device
+        scales, packed = [], []
+        for buffer, worker_error in zip(buffers, worker_errors, strict=True):
+            flat = torch.zeros(worker_error.numel(), dtype=torch.float32, device=device)
+            flat[: buffer.numel()] = buffer.reshape(-1)
+            scale, signs_packed = _compress(flat, worker_error)
+            scales.append(scale)
+            packed.append(signs_packed.reshape(self.size, -1))
+        chunk_bytes = [c // 8 for c in chunks]
+        # phase 1: row r of the send buffer holds every buffer's chunk r, so rank r receives,
+        # in one all_to_all, every rank's signs of its chunk of every buffer
+        send = torch.cat(packed, dim=1).reshape(-1)
+        received = torch.empty_like(send)
+        comm.all_to_all_single(received, send, group=self.group)
+        local_scales = torch.cat(scales)
+        gathered = [torch.empty_like(local_scales) for _ in range(self.size)]
+        comm.all_gather(gathered, local_scales, group=self.group)
+        # (rank, buffer) scales; column i, divided as the single call does, weights buffer i
+        all_scales = torch.stack(gathered)
+        by_buffer = received.reshape(self.size, -1).split(chunk_bytes, dim=1)
+        server_scales, server_packed = [], []
+        for i, (part, server_error) in enumerate(zip(by_buffer, server_errors, strict=True)):
+            worker_signs = unpack_signs(part.contiguous()).reshape(self.size, chunks[i])
+            weights = all_scales[:, i].reshape(self.size, 1) / self.size
+            served = (worker_signs * weights).sum(dim=0)
+            # phase 2: compress this rank's averaged chunk again and share it with everyone
+            scale, signs_packed = _compress(served, server_error)
+            server_scales.append(scale)
+            server_packed.append(signs_packed)
+        local_packed = torch.cat(server_packed)
+        packed_from = [torch.empty_like(local_packed) for _ in range(self.size)]
+        comm.all_gather(packed_from, local_packed, group=self.group)
+        local_server_scales = torch.cat(server_scales)
+        scales_from = [torch.empty_like(local_server_scales) for _ in range(self.size)]
+        comm.all_gather(scales_from, local_server_scales, group=self.group)
+        server_all = torch.stack(scales_from)
+        per_rank = torch.stack(packed_from).split(chunk_bytes, dim=1)
+        for i, buffer in enumerate(buffers):
+            rebuilt = unpack_signs(per_rank[i].contiguous()).reshape(self.size, chunks[i])
+            rebuilt.mul_(server_all[:, i].reshape(self.size, 1))
+            buffer.copy_(rebuilt.reshape(-1)[: buffer.numel()].view_as(buffer))
+        return list(buffers)
 
 
 def exchanged_bytes(numel: int, world_size: int) -> tuple[int, int]:

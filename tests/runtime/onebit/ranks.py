@@ -69,6 +69,43 @@ def compressed_allreduce_case(numel: int, calls: int) -> dict[str, Any]:
     return out
 
 
+def compressed_allreduce_many_case(sizes: list[int], calls: int) -> dict[str, Any]:
+    """``calls`` batched averages of buffers of ``sizes`` elements against one single-buffer
+    call per buffer on copies of the same errors: results and errors bitwise equal? And the
+    collectives each batched call issued."""
+    world, rank = comm.get_world_size(), comm.get_rank()
+    backend = CompressedBackend(None)
+    workers = [torch.zeros(padded_size(k, world)) for k in sizes]
+    servers = [torch.zeros(padded_size(k, world) // world) for k in sizes]
+    ref_workers = [w.clone() for w in workers]
+    ref_servers = [s.clone() for s in servers]
+    out: dict[str, Any] = {"equal": [], "errors_equal": [], "ops": [], "bytes": []}
+    for call in range(calls):
+        inputs = [
+            torch.randn(k, generator=torch.Generator().manual_seed(1000 * call + 10 * i + rank))
+            for i, k in enumerate(sizes)
+        ]
+        singles, single_bytes = [], 0
+        for x, w, s in zip(inputs, ref_workers, ref_servers, strict=True):
+            comm.reset_comm_volume()
+            singles.append(backend.compressed_allreduce(x.clone(), w, s))
+            single_bytes += sum(v["bytes"] for v in comm.get_comm_volume().values())
+        comm.reset_comm_volume()
+        batched = backend.compressed_allreduce_many([x.clone() for x in inputs], workers, servers)
+        volume = comm.get_comm_volume()
+        out["ops"].append({op: v["count"] for op, v in volume.items()})
+        out["bytes"].append((sum(v["bytes"] for v in volume.values()), single_bytes))
+        out["equal"].append(all(torch.equal(a, b) for a, b in zip(batched, singles, strict=True)))
+        out["errors_equal"].append(
+            all(
+                torch.equal(a, b)
+                for a, b in zip(workers + servers, ref_workers + ref_servers, strict=True)
+            )
+        )
+    comm.reset_comm_volume()
+    return out
+
+
 def _config(kind: str, params: dict[str, Any], micro: int, **extra: Any) -> dict[str, Any]:
     return {
         "train_micro_batch_size_per_gpu": micro,

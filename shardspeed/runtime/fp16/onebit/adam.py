@@ -93,6 +93,18 @@ class OnebitAdam(OnebitOptimizer):
     def load_extra_state(self, state: dict[str, Any]) -> None:
         self.adam_freeze_key = bool(state["adam_freeze_key"])
 
+    def _update(self, group: dict[str, Any], param: torch.Tensor) -> None:
+        state = self.state[param]
+        adam_update(
+            param,
+            state["exp_avg"],
+            state["exp_avg_sq"],
+            group,
+            state["step"],
+            state["var_steps"],
+            self.eps_mode == 0,
+        )
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """One update from the parameters' ``.grad`` (all-reduced before the freeze, local
@@ -102,6 +114,8 @@ class OnebitAdam(OnebitOptimizer):
             with torch.enable_grad():
                 loss = closure()
         frozen, last_step, numel = self.adam_freeze_key, 0, 0
+        # compressed momenta wait for one batched exchange (4 collectives per step in all)
+        pending: list[tuple[dict[str, Any], torch.Tensor]] = []
         for group, param in self.params_with_grads():
             grad = param.grad
             assert grad is not None
@@ -126,22 +140,23 @@ class OnebitAdam(OnebitOptimizer):
                 exp_avg.lerp_(grad, 1.0 - beta1)
                 if "worker_error" not in state:
                     self.error_buffers(state, exp_avg.numel(), exp_avg.device)
-                if self.size > 1:
-                    self.backend.compressed_allreduce(
-                        exp_avg, state["worker_error"], state["server_error"]
-                    )
-                if "exp_avg_mask" in group:
-                    exp_avg.mul_(group["exp_avg_mask"].to(exp_avg.device))
-            adam_update(
-                param,
-                exp_avg,
-                exp_avg_sq,
-                group,
-                state["step"],
-                state["var_steps"],
-                self.eps_mode == 0,
-            )
+                pending.append((group, param))
+                last_step, numel = state["step"], numel + param.numel()
+                continue
+            self._update(group, param)
             last_step, numel = state["step"], numel + param.numel()
+        if pending and self.size > 1:
+            states = [self.state[param] for _, param in pending]
+            self.backend.compressed_allreduce_many(
+                [state["exp_avg"] for state in states],
+                [state["worker_error"] for state in states],
+                [state["server_error"] for state in states],
+            )
+        for group, param in pending:
+            if "exp_avg_mask" in group:
+                exp_avg = self.state[param]["exp_avg"]
+                exp_avg.mul_(group["exp_avg_mask"].to(exp_avg.device))
+            self._update(group, param)
         if not frozen and last_step >= self.freeze_step:
             self.adam_freeze_key = True
             self.announce_freeze(numel)

@@ -184,9 +184,16 @@ class ZeroOneAdam(OnebitOptimizer):
             self.var_updates += 1
         sync = frozen and self.step_count % self.local_step_interval == 0
         numel = 0
+        # each parameter runs up to its exchange; all exchanges go in one batch (4 collectives)
+        pending: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]] = []
         for group, param in self.params_with_grads():
-            self._update_param(group, param, frozen, var_step, sync)
+            exchanged = self._update_param(group, param, frozen, var_step, sync)
+            if exchanged is not None:
+                pending.append((group, param, exchanged))
             numel += param.numel()
+        self._exchange(pending)
+        for group, param, exchanged in pending:
+            self._finish_param(group, param, frozen, exchanged)
         if not frozen:
             if var_step:
                 self.var_counter += 1
@@ -209,17 +216,27 @@ class ZeroOneAdam(OnebitOptimizer):
                 )
         return loss
 
-    def _exchange(self, tensor: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
-        if "worker_error" not in state:
-            self.error_buffers(state, tensor.numel(), tensor.device)
-        if self.size > 1:
-            self.backend.compressed_allreduce(tensor, state["worker_error"], state["server_error"])
-        if "exp_avg_mask" in group:
-            tensor.mul_(group["exp_avg_mask"].to(tensor.device))
+    def _exchange(self, pending: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]]) -> None:
+        """Average every pending tensor at one bit per element, in one batched exchange."""
+        states = [self.state[param] for _, param, _ in pending]
+        for (_, _, tensor), state in zip(pending, states, strict=True):
+            if "worker_error" not in state:
+                self.error_buffers(state, tensor.numel(), tensor.device)
+        if pending and self.size > 1:
+            self.backend.compressed_allreduce_many(
+                [tensor for _, _, tensor in pending],
+                [state["worker_error"] for state in states],
+                [state["server_error"] for state in states],
+            )
+        for group, _, tensor in pending:
+            if "exp_avg_mask" in group:
+                tensor.mul_(group["exp_avg_mask"].to(tensor.device))
 
     def _update_param(
         self, group: dict[str, Any], param: torch.Tensor, frozen: bool, var_step: bool, sync: bool
-    ) -> None:
+    ) -> torch.Tensor | None:
+        """Update ``param`` up to its 1-bit exchange; the tensor to exchange (then finished by
+        :meth:`_finish_param`), or None when this step has none for it (done)."""
         grad = param.grad
         assert grad is not None
         state = self.state[param]
@@ -235,25 +252,40 @@ class ZeroOneAdam(OnebitOptimizer):
                 v.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
             m.lerp_(grad, 1.0 - beta1)
         else:  # a local gradient: average it at one bit per element
-            averaged = grad.float().clone()
-            self._exchange(averaged, state, group)
-            m.lerp_(averaged.to(m.dtype), 1.0 - beta1)
+            return grad.float().clone()
         if frozen and "anchor" not in state:
             state["anchor"] = param.detach().clone()  # the last value every rank agrees on
+        denom = self._step_param(group, param)
+        if not frozen:
+            return None
+        state["lrs"] += float(group["lr"])
+        if not sync:
+            return None
+        # the local steps' total, in momentum units, averaged at one bit per element
+        return (param - state["anchor"]).mul_(denom)
+
+    def _step_param(self, group: dict[str, Any], param: torch.Tensor) -> torch.Tensor:
+        """Move ``param`` by its momentum over the denominator (returned)."""
+        state = self.state[param]
         lr = float(group["lr"])
-        denom = self._denom(v, group)
+        denom = self._denom(state["exp_avg_sq"], group)
         if group["weight_decay"] != 0.0:
             param.mul_(1.0 - lr * group["weight_decay"])
-        param.addcdiv_(m, denom, value=-lr / self._bc1(group))
-        if not frozen:
+        param.addcdiv_(state["exp_avg"], denom, value=-lr / self._bc1(group))
+        return denom
+
+    def _finish_param(
+        self, group: dict[str, Any], param: torch.Tensor, frozen: bool, exchanged: torch.Tensor
+    ) -> None:
+        """The rest of :meth:`_update_param` once ``exchanged`` has been averaged."""
+        state = self.state[param]
+        m = state["exp_avg"]
+        if not frozen:  # the averaged gradient enters the momentum, then the step
+            m.lerp_(exchanged.to(m.dtype), 1.0 - group["betas"][0])
+            self._step_param(group, param)
             return
-        state["lrs"] += lr
-        if not sync:
-            return
-        # the local steps' total, in momentum units, averaged at one bit per element
-        moved = (param - state["anchor"]).mul_(denom)
-        self._exchange(moved, state, group)
-        m.copy_(moved).mul_(-self._bc1(group) / state["lrs"])
-        param.copy_(state["anchor"] + moved / denom)
+        denom = self._denom(state["exp_avg_sq"], group)
+        m.copy_(exchanged).mul_(-self._bc1(group) / state["lrs"])
+        param.copy_(state["anchor"] + exchanged / denom)
         state["anchor"].copy_(param)
         state["lrs"] = 0.0
