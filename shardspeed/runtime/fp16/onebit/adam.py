@@ -29,11 +29,16 @@ def adam_update(
     correct = bool(group["bias_correction"])
     step_size = lr / (1.0 - beta1**step) if correct else lr
     bc2 = (1.0 - beta2**var_steps) if correct else 1.0
+    param.addcdiv_(exp_avg, adam_denom(exp_avg_sq, bc2, eps, eps_inside_sqrt), value=-step_size)
+
+
+def adam_denom(
+    exp_avg_sq: torch.Tensor, bc2: float, eps: float, eps_inside_sqrt: bool
+) -> torch.Tensor:
+    """Adam's denominator, ``sqrt(v / bc2 + eps)`` or ``sqrt(v) / sqrt(bc2) + eps``."""
     if eps_inside_sqrt:
-        denom = (exp_avg_sq / bc2).add_(eps).sqrt_()
-    else:
-        denom = (exp_avg_sq.sqrt() / bc2**0.5).add_(eps)
-    param.addcdiv_(exp_avg, denom, value=-step_size)
+        return (exp_avg_sq / bc2).add_(eps).sqrt_()
+    return (exp_avg_sq.sqrt() / bc2**0.5).add_(eps)
 
 
 class OnebitAdam(OnebitOptimizer):
@@ -115,7 +120,7 @@ class OnebitAdam(OnebitOptimizer):
                 loss = closure()
         frozen, last_step, numel = self.adam_freeze_key, 0, 0
         # compressed momenta wait for one batched exchange (4 collectives per step in all)
-        pending: list[tuple[dict[str, Any], torch.Tensor]] = []
+        pending: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]] = []
         for group, param in self.params_with_grads():
             grad = param.grad
             assert grad is not None
@@ -138,24 +143,13 @@ class OnebitAdam(OnebitOptimizer):
                 state["var_steps"] = state["step"]
             else:
                 exp_avg.lerp_(grad, 1.0 - beta1)
-                if "worker_error" not in state:
-                    self.error_buffers(state, exp_avg.numel(), exp_avg.device)
-                pending.append((group, param))
+                pending.append((group, param, exp_avg))
                 last_step, numel = state["step"], numel + param.numel()
                 continue
             self._update(group, param)
             last_step, numel = state["step"], numel + param.numel()
-        if pending and self.size > 1:
-            states = [self.state[param] for _, param in pending]
-            self.backend.compressed_allreduce_many(
-                [state["exp_avg"] for state in states],
-                [state["worker_error"] for state in states],
-                [state["server_error"] for state in states],
-            )
-        for group, param in pending:
-            if "exp_avg_mask" in group:
-                exp_avg = self.state[param]["exp_avg"]
-                exp_avg.mul_(group["exp_avg_mask"].to(exp_avg.device))
+        self.exchange(pending)
+        for group, param, _ in pending:
             self._update(group, param)
         if not frozen and last_step >= self.freeze_step:
             self.adam_freeze_key = True

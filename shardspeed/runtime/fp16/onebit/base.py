@@ -122,6 +122,24 @@ class OnebitOptimizer(torch.optim.Optimizer):
             comm.all_reduce(grad, group=self.backend.group)
             grad.div_(self.size)
 
+    def exchange(self, pending: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]]) -> None:
+        """Average each ``(group, param, tensor)``'s tensor over the ranks at one bit per element
+        (error buffers in ``param``'s state), all in one batched exchange; then the group's
+        ``exp_avg_mask`` zeroes masked elements."""
+        states = [self.state[param] for _, param, _ in pending]
+        for (_, _, tensor), state in zip(pending, states, strict=True):
+            if "worker_error" not in state:
+                self.error_buffers(state, tensor.numel(), tensor.device)
+        if pending and self.size > 1:
+            self.backend.compressed_allreduce_many(
+                [tensor for _, _, tensor in pending],
+                [state["worker_error"] for state in states],
+                [state["server_error"] for state in states],
+            )
+        for group, _, tensor in pending:
+            if "exp_avg_mask" in group:
+                tensor.mul_(group["exp_avg_mask"].to(tensor.device))
+
     def announce_freeze(self, numel: int, exchanges: int = 1) -> None:
         """Log once, on rank 0, what the compressed exchange saves per step."""
         if self._announced:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from shardspeed import comm
+from shardspeed.runtime.fp16.onebit.adam import adam_denom
 from shardspeed.runtime.fp16.onebit.base import STATE_KEY, OnebitOptimizer, check_positive_int
 
 _COUNTERS = (
@@ -160,9 +161,7 @@ class ZeroOneAdam(OnebitOptimizer):
     def _denom(self, v: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
         beta2 = group["betas"][1]
         bc2 = (1.0 - beta2 ** max(self.var_updates, 1)) if group["bias_correction"] else 1.0
-        if self.eps_mode == 0:
-            return (v / bc2).add_(group["eps"]).sqrt_()
-        return (v.sqrt() / bc2**0.5).add_(group["eps"])
+        return adam_denom(v, bc2, group["eps"], self.eps_mode == 0)
 
     def _bc1(self, group: dict[str, Any]) -> float:
         beta1 = group["betas"][0]
@@ -191,7 +190,7 @@ class ZeroOneAdam(OnebitOptimizer):
             if exchanged is not None:
                 pending.append((group, param, exchanged))
             numel += param.numel()
-        self._exchange(pending)
+        self.exchange(pending)
         for group, param, exchanged in pending:
             self._finish_param(group, param, frozen, exchanged)
         if not frozen:
@@ -215,22 +214,6 @@ class ZeroOneAdam(OnebitOptimizer):
                     self.local_step_clipper, self.local_step_interval * 2
                 )
         return loss
-
-    def _exchange(self, pending: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]]) -> None:
-        """Average every pending tensor at one bit per element, in one batched exchange."""
-        states = [self.state[param] for _, param, _ in pending]
-        for (_, _, tensor), state in zip(pending, states, strict=True):
-            if "worker_error" not in state:
-                self.error_buffers(state, tensor.numel(), tensor.device)
-        if pending and self.size > 1:
-            self.backend.compressed_allreduce_many(
-                [tensor for _, _, tensor in pending],
-                [state["worker_error"] for state in states],
-                [state["server_error"] for state in states],
-            )
-        for group, _, tensor in pending:
-            if "exp_avg_mask" in group:
-                tensor.mul_(group["exp_avg_mask"].to(tensor.device))
 
     def _update_param(
         self, group: dict[str, Any], param: torch.Tensor, frozen: bool, var_step: bool, sync: bool
