@@ -4,29 +4,18 @@ DDP peer's counted bytes equal to ZeRO-0's, finite losses and the modelled link 
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.benchmarks.tiny_run import tiny_run
+
 MODES = ["zero0_adam", "torch_ddp", "zero3_adam", "onebit_adam", "zero_one_adam", "onebit_lamb"]
 
 
 @pytest.mark.timeout(240)
 def test_tiny_run_reports_every_mode() -> None:
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_comm_compression.py"), "--tiny"],
-        capture_output=True,
-        text=True,
-        timeout=220,
-        cwd=ROOT,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out = tiny_run("bench_comm_compression.py", timeout=220)
     assert "modelled" in out["link_model"]
     zero0 = out["zero0_adam"]["bus_bytes_per_step"]
     # an fp32 all-reduce of every parameter: 2(n-1)/n * 4 bytes * params on the bus

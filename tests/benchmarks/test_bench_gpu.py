@@ -4,27 +4,14 @@ seed and batches, bf16), and fused decoding giving eager's greedy tokens."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.benchmarks.tiny_run import tiny_run
 
 
 @pytest.mark.timeout(240)
 def test_tiny_run_reports_every_mode() -> None:
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_gpu.py"), "--tiny"],
-        capture_output=True,
-        text=True,
-        timeout=220,
-        cwd=ROOT,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out = tiny_run("bench_gpu.py", timeout=220)
     train = out["train"]
     modes = ["stage0", "stage1", "stage2", "stage3", "stage2_offload_cpu", "stage3_offload_nvme"]
     for mode in ["torch_bf16_autocast", *modes]:
