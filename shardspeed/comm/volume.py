@@ -8,7 +8,9 @@ scatter and point-to-point count the tensor that moves. ``bus_bytes`` is ``bytes
 op's bus factor for the group size ``n`` (all_reduce ``2(n-1)/n``; all_gather, reduce_scatter
 and all_to_all ``(n-1)/n``; everything else 1), i.e. the bytes each rank's link carries.
 
-Counts are per process; a rank counts the collectives it took part in.
+Counts are per process; a rank counts the collectives it took part in. The same totals are also
+kept per group size (``get_comm_volume(by_group_size=True)``: keys ``"op/n"``), so a test can tell
+a collective inside a node-sized group from one over the world (ZeRO++'s hierarchical modes).
 """
 
 from __future__ import annotations
@@ -53,23 +55,28 @@ class CommVolume:
 
     def __init__(self) -> None:
         self._ops: dict[str, OpVolume] = {}
+        self._by_size: dict[str, OpVolume] = {}
 
     def record(self, op: str, nbytes: int, group_size: int) -> None:
         """Add one call of ``op`` moving ``nbytes`` over a group of ``group_size`` ranks."""
-        entry = self._ops.get(op)
-        if entry is None:
-            entry = self._ops[op] = OpVolume(count=0, bytes=0, bus_bytes=0.0)
-        entry["count"] += 1
-        entry["bytes"] += nbytes
-        entry["bus_bytes"] += nbytes * bus_factor(op, group_size)
+        bus = nbytes * bus_factor(op, group_size)
+        for table, key in ((self._ops, op), (self._by_size, f"{op}/{group_size}")):
+            entry = table.get(key)
+            if entry is None:
+                entry = table[key] = OpVolume(count=0, bytes=0, bus_bytes=0.0)
+            entry["count"] += 1
+            entry["bytes"] += nbytes
+            entry["bus_bytes"] += bus
 
-    def snapshot(self) -> dict[str, OpVolume]:
-        """A copy of the totals: op name -> {"count", "bytes", "bus_bytes"}."""
-        return copy.deepcopy(self._ops)
+    def snapshot(self, by_group_size: bool = False) -> dict[str, OpVolume]:
+        """A copy of the totals: op name -> {"count", "bytes", "bus_bytes"}; with
+        ``by_group_size``, keyed ``"op/n"`` for the calls over groups of ``n`` ranks."""
+        return copy.deepcopy(self._by_size if by_group_size else self._ops)
 
     def reset(self) -> None:
         """Forget every total."""
         self._ops.clear()
+        self._by_size.clear()
 
 
 # One counter per process, like the process's default group: collectives have no other object
@@ -82,9 +89,10 @@ def record_volume(op: str, nbytes: int, group_size: int) -> None:
     _VOLUME.record(op, nbytes, group_size)
 
 
-def get_comm_volume() -> dict[str, OpVolume]:
-    """Totals since the last :func:`reset_comm_volume`: op -> {"count", "bytes", "bus_bytes"}."""
-    return _VOLUME.snapshot()
+def get_comm_volume(by_group_size: bool = False) -> dict[str, OpVolume]:
+    """Totals since the last :func:`reset_comm_volume`: op -> {"count", "bytes", "bus_bytes"}
+    (``by_group_size``: ``"op/n"`` -> the same, for groups of ``n`` ranks)."""
+    return _VOLUME.snapshot(by_group_size)
 
 
 def reset_comm_volume() -> None:

@@ -59,9 +59,10 @@ class Capability(str, Enum):
     low_precision_masters = "low_precision_masters"
     #: a ``PipelineModule``: the pipeline engine accumulates whole gradients per stage
     pipeline = "pipeline"
-    #: ZeRO++ quantized weights and gradients (qwZ, qgZ): not built in shardspeed yet
+    #: ZeRO++ quantized weights and gradients (qwZ, qgZ): collectives of sharded parameters
     quantized_collectives = "quantized_collectives"
-    #: ZeRO++ hierarchical partitioning (hpZ, ``zero_hpz_partition_size``): not built yet
+    #: ZeRO++ hierarchical partitioning (hpZ, ``zero_hpz_partition_size``): a secondary shard
+    #: of sharded parameters
     hpz = "hpz"
 
 
@@ -81,6 +82,8 @@ STAGE_CAPABILITIES: dict[int, frozenset[Capability]] = {
             _C.param_offload,
             _C.mics,
             _C.low_precision_masters,
+            _C.quantized_collectives,
+            _C.hpz,
         }
     ),
 }
@@ -253,9 +256,10 @@ RULES: tuple[Rule, ...] = (
         "zeropp_quantization",
         _zeropp_quantization,
         _C.quantized_collectives,
-        "zero_optimization.{asked}=true (ZeRO++ quantization) is not yet supported in "
-        "shardspeed; remove the key or set it to false",
-        error=NotImplementedError,
+        "zero_optimization.{asked}=true (ZeRO++ quantization) quantizes the collectives of "
+        "sharded parameters, which needs ZeRO stage {stages} (got stage {stage}); set "
+        "zero_optimization.stage to {stages} or remove the key",
+        at_config=True,
     ),
     Rule(
         "zeropp_hpz",
@@ -265,9 +269,10 @@ RULES: tuple[Rule, ...] = (
             else None
         ),
         _C.hpz,
-        "{asked} (ZeRO++ hierarchical partitioning) is not yet supported in shardspeed; remove "
-        "the key or set it to 1",
-        error=NotImplementedError,
+        "{asked} (ZeRO++ hierarchical partitioning) keeps a secondary shard of the sharded "
+        "parameters, which needs ZeRO stage {stages} (got stage {stage}); set "
+        "zero_optimization.stage to {stages} or zero_hpz_partition_size to 1",
+        at_config=True,
     ),
     Rule(
         "mics",

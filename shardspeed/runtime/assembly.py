@@ -45,6 +45,7 @@ from shardspeed.runtime.zero.reduce_options import GradReduceOptions
 from shardspeed.runtime.zero.registry import build_strategy
 from shardspeed.runtime.zero.rules import check_zero_config
 from shardspeed.runtime.zero.strategy import StrategyContext, ZeroStrategy
+from shardspeed.runtime.zero.zeropp import asks_zeropp, zeropp_comm
 
 
 def autotp_size(config: DeepSpeedConfig) -> int:
@@ -164,6 +165,19 @@ def strategy_context(
                 "supported in shardspeed; remove mics_shard_size"
             )
         shard_over = mics_comm(topology, int(zero.mics_shard_size))
+    if zero.stage == 3 and asks_zeropp(zero):
+        if comm_for is not None or shard_over is not None:
+            raise NotImplementedError(
+                "ZeRO++ (zero_hpz_partition_size / zero_quantized_*) with "
+                + (
+                    "MiCS (mics_shard_size)"
+                    if shard_over is not None
+                    else "Mixture-of-Experts layers"
+                )
+                + " is not supported in shardspeed; remove the ZeRO++ keys or "
+                + ("mics_shard_size" if shard_over is not None else "the MoE layers")
+            )
+        shard_over = zeropp_comm(topology, zero, dp)
     return StrategyContext(
         precision=precision,
         reduce=GradReduceOptions(

@@ -38,7 +38,8 @@ def _volume_on_subgroup() -> dict:
     comm.reset_comm_volume()
     if dist.get_rank() < 2:
         comm.all_reduce(torch.ones(100), group=group)
-    volume = comm.get_comm_volume()
+    comm.all_reduce(torch.ones(10))
+    volume = comm.get_comm_volume(by_group_size=True)
     comm.reset_comm_volume()
     return volume
 
@@ -59,11 +60,14 @@ def test_volume_four_ranks_and_subgroup(dist_pool):
         assert volume["reduce_scatter_tensor"] == {"count": 1, "bytes": 4000, "bus_bytes": 3000.0}
     volumes = pool.run(_volume_on_subgroup)
     for rank, volume in enumerate(volumes):
+        # per group size: the world's all_reduce apart from the 2-rank group's
+        world = {"all_reduce/4": {"count": 1, "bytes": 40, "bus_bytes": 60.0}}
         if rank < 2:
             # a 2-rank group: all_reduce factor 2(n-1)/n = 1
-            assert volume == {"all_reduce": {"count": 1, "bytes": 400, "bus_bytes": 400.0}}
+            pair = {"all_reduce/2": {"count": 1, "bytes": 400, "bus_bytes": 400.0}}
+            assert volume == {**pair, **world}
         else:
-            assert volume == {}
+            assert volume == world
 
 
 def _logged_three_ops() -> dict:

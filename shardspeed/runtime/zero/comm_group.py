@@ -12,12 +12,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from shardspeed import comm
 from shardspeed.comm import ProcessGroup
+
+if TYPE_CHECKING:
+    from shardspeed.runtime.zero.zeropp import ZeroPP
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,9 @@ class CommGroup:
     #: MiCS: the ranks holding the same shards in the other shard groups; reduced gradient
     #: shards are summed over them too (None: the shards exist once)
     replicated_over: CommGroup | None = None
+    #: ZeRO++ (stage 3): which of this group's collectives are quantized or hierarchical
+    #: (None: none)
+    zeropp: ZeroPP | None = None
 
     @property
     def partitioned(self) -> bool:

@@ -72,16 +72,18 @@ CASES: dict[str, tuple[dict[str, Any], bool, str]] = {
         "(zero_optimization.stage is 0).",
     ),
     "zeropp_quantization": (
-        {"zero_optimization": {"stage": 3, "zero_quantized_gradients": True}},
+        {"zero_optimization": {"stage": 2, "zero_quantized_gradients": True}},
         False,
-        "zero_optimization.zero_quantized_gradients=true (ZeRO++ quantization) is not yet "
-        "supported in shardspeed; remove the key or set it to false",
+        "zero_optimization.zero_quantized_gradients=true (ZeRO++ quantization) quantizes the "
+        "collectives of sharded parameters, which needs ZeRO stage 3 (got stage 2); set "
+        "zero_optimization.stage to 3 or remove the key",
     ),
     "zeropp_hpz": (
-        {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 4}},
+        {"zero_optimization": {"stage": 1, "zero_hpz_partition_size": 4}},
         False,
-        "zero_optimization.zero_hpz_partition_size > 1 (ZeRO++ hierarchical partitioning) is not "
-        "yet supported in shardspeed; remove the key or set it to 1",
+        "zero_optimization.zero_hpz_partition_size > 1 (ZeRO++ hierarchical partitioning) keeps "
+        "a secondary shard of the sharded parameters, which needs ZeRO stage 3 (got stage 1); "
+        "set zero_optimization.stage to 3 or zero_hpz_partition_size to 1",
     ),
     "mics": (
         {"zero_optimization": {"stage": 1, "mics_shard_size": 2}},
@@ -190,7 +192,7 @@ def test_one_capability_table_for_the_registered_strategies() -> None:
     assert stages_with(Capability.optimizer_offload) == [1, 2, 3]
     assert stages_with(Capability.param_offload) == [3]
     assert stages_with(Capability.pipeline) == [0, 1]
-    assert stages_with(Capability.quantized_collectives) == []
+    assert stages_with(Capability.quantized_collectives) == [3]
 
 
 def test_no_refusal_is_written_twice() -> None:

@@ -1,0 +1,149 @@
+"""ZeRO++ (arXiv 2306.10209) settings of a stage-3 shard group: which of its collectives are
+quantized or hierarchical, and over which groups.
+
+* **hpZ** (``zero_hpz_partition_size`` = k > 1): besides this rank's primary shard (over all N
+  data-parallel ranks), a unit gathered for a forward keeps a *secondary* shard, its 1/k part
+  within a group of k consecutive ranks (a node), so the backward's re-gather stays inside the
+  group (:attr:`ZeroPP.secondary`).
+* **qwZ** (``zero_quantized_weights``): the hooks' parameter all-gathers carry blockwise int8
+  codes and scales (:mod:`~shardspeed.runtime.comm.quantize`); gathers whose values are kept
+  (``GatheredParameters``, state dicts, checkpoints) stay exact.
+  ``zero_quantized_nontrainable_weights`` also stores frozen parameters' shards quantized.
+* **qgZ** (``zero_quantized_gradients``): the gradient reduce-scatter is an all-to-all of int4
+  codes inside the node group, a local fp32 sum, then an all-to-all across the node groups
+  (:attr:`ZeroPP.local`, :attr:`ZeroPP.cross`), with LoCo's error feedback when
+  ``zeropp_loco_param`` is set.
+
+The node size is ``zero_hpz_partition_size`` when it is above 1, else the launcher's
+``LOCAL_WORLD_SIZE`` when it divides the data-parallel size, else the whole group (one level).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardspeed.comm.parallel_topology import ParallelTopology
+from shardspeed.runtime.zero.comm_group import CommGroup
+
+
+@dataclass(frozen=True)
+class LocoSettings:
+    """``zeropp_loco_param``: the error buffers' moving-average coefficient and how many
+    reductions pass between their clears."""
+
+    err_beta: float = 0.8
+    reset_t: int = 1024
+
+    @classmethod
+    def parse(cls, raw: dict[str, Any]) -> LocoSettings:
+        """``{"err_beta": ..., "reset_T": ...}``, checked."""
+        unknown = set(raw) - {"err_beta", "reset_T"}
+        if unknown:
+            raise ValueError(
+                f"zero_optimization.zeropp_loco_param has unknown keys {sorted(unknown)}; it "
+                'takes "err_beta" (0..1) and "reset_T" (steps)'
+            )
+        beta = float(raw.get("err_beta", 0.8))
+        reset = raw.get("reset_T", 1024)
+        if not 0.0 <= beta <= 1.0:
+            raise ValueError(f"zeropp_loco_param.err_beta={beta} must be in [0, 1]")
+        if not isinstance(reset, int) or isinstance(reset, bool) or reset < 1:
+            raise ValueError(f"zeropp_loco_param.reset_T={reset!r} must be a positive integer")
+        return cls(beta, reset)
+
+
+@dataclass(frozen=True, eq=False)
+class ZeroPP:
+    """The ZeRO++ modes of one shard group (compared and hashed by identity: it holds the
+    mutable LoCo error state)."""
+
+    #: qwZ: the hooks' all-gathers carry int8 codes
+    quantized_weights: bool = False
+    #: store frozen parameters' shards as int8 codes
+    quantized_nontrainable_weights: bool = False
+    #: hpZ: the group of consecutive ranks a secondary shard is split over (None: off)
+    secondary: CommGroup | None = None
+    #: qgZ: the gradient reduce-scatter is a quantized two-level all-to-all
+    quantized_gradients: bool = False
+    #: qgZ's first level: this rank's node group (None: one level, over the whole group)
+    local: CommGroup | None = None
+    #: qgZ's second level: the ranks at this rank's place in the other node groups
+    cross: CommGroup | None = None
+    #: LoCo error feedback on the quantized gradients (None: off)
+    loco: LocoSettings | None = None
+    #: LoCo's error buffers, by the reduction's key (filled by the reduce-scatter)
+    errors: dict[Any, Any] = field(default_factory=dict)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any mode is on."""
+        return (
+            self.quantized_weights
+            or self.quantized_nontrainable_weights
+            or self.secondary is not None
+            or self.quantized_gradients
+        )
+
+
+def node_size(hpz: int, dp: int) -> int:
+    """The ranks of one node group (see the module docstring)."""
+    if hpz > 1:
+        return hpz
+    local = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+    if local.isdigit() and 1 < int(local) < dp and dp % int(local) == 0:
+        return int(local)
+    return dp
+
+
+def zeropp_comm(topology: ParallelTopology, zero: Any, data_parallel: CommGroup) -> CommGroup:
+    """``data_parallel`` with the ZeRO++ modes ``zero`` (the ``zero_optimization`` section)
+    asks for (every rank calls it, in the same order: it may create groups)."""
+    dp = topology.size("dp")
+    hpz = int(zero.zero_hpz_partition_size)
+    if hpz > 1 and dp % hpz:
+        raise ValueError(
+            f"zero_optimization.zero_hpz_partition_size={hpz} must divide the data-parallel "
+            f"size ({dp}); choose one of {[d for d in range(2, dp + 1) if dp % d == 0]} (the "
+            "ranks of one node), or 1 to turn hpZ off"
+        )
+    if data_parallel.world_size != dp:
+        raise NotImplementedError(
+            "ZeRO++ (zero_hpz_partition_size / zero_quantized_*) with sequence parallelism is "
+            "not supported in shardspeed; remove the ZeRO++ keys or set "
+            "sequence_parallel_size to 1"
+        )
+    node = node_size(hpz, dp)
+    local = cross = secondary = None
+    if node < dp:
+        grid = topology.with_dp_shard(node)
+        local = CommGroup.of(grid.group("dp_shard"))
+        cross = CommGroup.of(grid.group("dp_replicate"))
+        if hpz > 1:
+            secondary = local
+    elif hpz > 1:  # one node holds every rank: the secondary shard is the primary one
+        secondary = None
+    raw_loco = zero.zeropp_loco_param
+    loco = LocoSettings.parse(raw_loco) if raw_loco is not None else None
+    settings = ZeroPP(
+        quantized_weights=bool(zero.zero_quantized_weights),
+        quantized_nontrainable_weights=bool(zero.zero_quantized_nontrainable_weights),
+        secondary=secondary,
+        quantized_gradients=bool(zero.zero_quantized_gradients),
+        local=local,
+        cross=cross,
+        loco=loco if zero.zero_quantized_gradients else None,
+    )
+    return dataclasses.replace(data_parallel, zeropp=settings)
+
+
+def asks_zeropp(zero: Any) -> bool:
+    """Whether the ``zero_optimization`` section turns any ZeRO++ mode on."""
+    return bool(
+        int(zero.zero_hpz_partition_size) > 1
+        or zero.zero_quantized_weights
+        or zero.zero_quantized_nontrainable_weights
+        or zero.zero_quantized_gradients
+    )
