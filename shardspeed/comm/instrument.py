@@ -7,6 +7,7 @@ is for diagnosis, and an unwaited launch time would say nothing about the transf
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -39,6 +40,27 @@ def group_size(group: Any) -> int:
     return dist.get_world_size(group)
 
 
+#: (group, ranks per node) -> whether the group's ranks sit on more than one node
+_CROSSING: dict[tuple[int, int], bool] = {}
+
+
+def crosses_nodes(group: Any) -> bool:
+    """Whether ``group`` (None = world) holds ranks of more than one node, a node being
+    ``LOCAL_WORLD_SIZE`` consecutive global ranks (unset: one node holds every rank)."""
+    local = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+    per_node = int(local) if local.isdigit() and int(local) > 0 else 0
+    if per_node == 0:
+        return False
+    key = (id(group), per_node)
+    found = _CROSSING.get(key)
+    if found is None:
+        ranks = (
+            range(dist.get_world_size()) if group is None else dist.get_process_group_ranks(group)
+        )
+        found = _CROSSING[key] = len({rank // per_node for rank in ranks}) > 1
+    return found
+
+
 def _caller_name() -> str:
     # frame 0 is here, 1 run_op, 2 the shardspeed.comm function, 3 its caller
     frame = sys._getframe(3)
@@ -59,7 +81,7 @@ def run_op(
     """Run ``call`` (the torch.distributed collective) and account for it as ``op``."""
     size = group_size(group)
     if size > 0:
-        record_volume(op, msg_bytes, size)
+        record_volume(op, msg_bytes, size, size > 1 and crosses_nodes(group))
     logger = comms_logger()
     name = log_name or op
     if size <= 0 or not logger.should_profile(op, name, prof):

@@ -10,7 +10,10 @@ and all_to_all ``(n-1)/n``; everything else 1), i.e. the bytes each rank's link 
 
 Counts are per process; a rank counts the collectives it took part in. The same totals are also
 kept per group size (``get_comm_volume(by_group_size=True)``: keys ``"op/n"``), so a test can tell
-a collective inside a node-sized group from one over the world (ZeRO++'s hierarchical modes).
+a collective inside a node-sized group from one over the world (ZeRO++'s hierarchical modes), and
+for the calls over groups whose ranks sit on more than one node
+(``get_comm_volume(crossing_nodes=True)``; a node is ``LOCAL_WORLD_SIZE`` consecutive global
+ranks): the traffic a slow inter-node link carries.
 """
 
 from __future__ import annotations
@@ -56,11 +59,16 @@ class CommVolume:
     def __init__(self) -> None:
         self._ops: dict[str, OpVolume] = {}
         self._by_size: dict[str, OpVolume] = {}
+        self._crossing: dict[str, OpVolume] = {}
 
-    def record(self, op: str, nbytes: int, group_size: int) -> None:
-        """Add one call of ``op`` moving ``nbytes`` over a group of ``group_size`` ranks."""
+    def record(self, op: str, nbytes: int, group_size: int, crosses_nodes: bool = False) -> None:
+        """Add one call of ``op`` moving ``nbytes`` over a group of ``group_size`` ranks
+        (spanning more than one node if ``crosses_nodes``)."""
         bus = nbytes * bus_factor(op, group_size)
-        for table, key in ((self._ops, op), (self._by_size, f"{op}/{group_size}")):
+        tables = [(self._ops, op), (self._by_size, f"{op}/{group_size}")]
+        if crosses_nodes:
+            tables.append((self._crossing, op))
+        for table, key in tables:
             entry = table.get(key)
             if entry is None:
                 entry = table[key] = OpVolume(count=0, bytes=0, bus_bytes=0.0)
@@ -68,15 +76,21 @@ class CommVolume:
             entry["bytes"] += nbytes
             entry["bus_bytes"] += bus
 
-    def snapshot(self, by_group_size: bool = False) -> dict[str, OpVolume]:
+    def snapshot(
+        self, by_group_size: bool = False, crossing_nodes: bool = False
+    ) -> dict[str, OpVolume]:
         """A copy of the totals: op name -> {"count", "bytes", "bus_bytes"}; with
-        ``by_group_size``, keyed ``"op/n"`` for the calls over groups of ``n`` ranks."""
+        ``by_group_size``, keyed ``"op/n"`` for the calls over groups of ``n`` ranks; with
+        ``crossing_nodes``, only the calls over groups spanning more than one node."""
+        if crossing_nodes:
+            return copy.deepcopy(self._crossing)
         return copy.deepcopy(self._by_size if by_group_size else self._ops)
 
     def reset(self) -> None:
         """Forget every total."""
         self._ops.clear()
         self._by_size.clear()
+        self._crossing.clear()
 
 
 # One counter per process, like the process's default group: collectives have no other object
@@ -84,15 +98,18 @@ class CommVolume:
 _VOLUME = CommVolume()
 
 
-def record_volume(op: str, nbytes: int, group_size: int) -> None:
+def record_volume(op: str, nbytes: int, group_size: int, crosses_nodes: bool = False) -> None:
     """Add one call to the process's counter."""
-    _VOLUME.record(op, nbytes, group_size)
+    _VOLUME.record(op, nbytes, group_size, crosses_nodes)
 
 
-def get_comm_volume(by_group_size: bool = False) -> dict[str, OpVolume]:
+def get_comm_volume(
+    by_group_size: bool = False, crossing_nodes: bool = False
+) -> dict[str, OpVolume]:
     """Totals since the last :func:`reset_comm_volume`: op -> {"count", "bytes", "bus_bytes"}
-    (``by_group_size``: ``"op/n"`` -> the same, for groups of ``n`` ranks)."""
-    return _VOLUME.snapshot(by_group_size)
+    (``by_group_size``: ``"op/n"`` -> the same, for groups of ``n`` ranks; ``crossing_nodes``:
+    only the calls over groups spanning more than one node)."""
+    return _VOLUME.snapshot(by_group_size, crossing_nodes)
 
 
 def reset_comm_volume() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -40,6 +41,17 @@ def _volume_on_subgroup() -> dict:
         comm.all_reduce(torch.ones(100), group=group)
     comm.all_reduce(torch.ones(10))
     volume = comm.get_comm_volume(by_group_size=True)
+    # nodes of 2 ranks: [0, 1] is one node, the world spans two
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    try:
+        volume["crossing"] = comm.get_comm_volume(crossing_nodes=True)
+        comm.reset_comm_volume()
+        if dist.get_rank() < 2:
+            comm.all_reduce(torch.ones(100), group=group)
+        comm.all_reduce(torch.ones(10))
+        volume["crossing_nodes_of_2"] = comm.get_comm_volume(crossing_nodes=True)
+    finally:
+        os.environ["LOCAL_WORLD_SIZE"] = str(dist.get_world_size())
     comm.reset_comm_volume()
     return volume
 
@@ -62,6 +74,11 @@ def test_volume_four_ranks_and_subgroup(dist_pool):
     for rank, volume in enumerate(volumes):
         # per group size: the world's all_reduce apart from the 2-rank group's
         world = {"all_reduce/4": {"count": 1, "bytes": 40, "bus_bytes": 60.0}}
+        # one node of 4 ranks first (the pool's LOCAL_WORLD_SIZE): nothing crosses nodes
+        assert volume.pop("crossing") == {}
+        assert volume.pop("crossing_nodes_of_2") == {
+            "all_reduce": {"count": 1, "bytes": 40, "bus_bytes": 60.0}
+        }
         if rank < 2:
             # a 2-rank group: all_reduce factor 2(n-1)/n = 1
             pair = {"all_reduce/2": {"count": 1, "bytes": 400, "bus_bytes": 400.0}}
