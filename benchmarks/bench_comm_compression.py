@@ -1,7 +1,14 @@
-"""Gradient-communication compression: the 1-bit optimizers against uncompressed data parallelism.
+"""Communication compression: the 1-bit optimizers and ZeRO++ against uncompressed training.
 
     python benchmarks/bench_comm_compression.py          # 2 CPU ranks, fp32, ~5M-param GPT
     python benchmarks/bench_comm_compression.py --tiny   # seconds: the test's sizes
+    python benchmarks/bench_comm_compression.py --world 4 --node 2 \
+        --modes zero0_adam,torch_ddp,zero3_adam,zeropp_hpz,zeropp_qwz,zeropp_qgz,zeropp_all
+
+ZeRO++ modes (stage 3, Adam): ``zeropp_hpz`` (``zero_hpz_partition_size`` = ``--node``),
+``zeropp_qwz`` (``zero_quantized_weights``), ``zeropp_qgz`` (``zero_quantized_gradients``) and
+``zeropp_all`` (the three). ``--node`` ranks form one emulated node (``LOCAL_WORLD_SIZE`` in the
+ranks; default 1: every rank its own node, as the 1-bit comparisons assume).
 
 Modes, each from the same seeded model on the same Markov-chain token stream
 (``examples.gpt_model.synthetic_tokens``): ``zero0_adam`` (Adam at ZeRO stage 0, the DDP-like
@@ -66,12 +73,37 @@ from bench_train import gpt_config, init_rank, spawn_ranks  # noqa: E402
 
 from examples.gpt_model import GPT, synthetic_tokens  # noqa: E402
 
-MODES = ("zero0_adam", "torch_ddp", "zero3_adam", "onebit_adam", "zero_one_adam", "onebit_lamb")
+MODES = (
+    "zero0_adam",
+    "torch_ddp",
+    "zero3_adam",
+    "onebit_adam",
+    "zero_one_adam",
+    "onebit_lamb",
+    "zeropp_hpz",
+    "zeropp_qwz",
+    "zeropp_qgz",
+    "zeropp_all",
+)
 ONEBIT = ("onebit_adam", "zero_one_adam", "onebit_lamb")
 LR = 1e-3
 
 
+def _zeropp_keys(mode: str, node: int) -> dict[str, Any]:
+    """The ``zero_optimization`` keys of a ZeRO++ mode (none for the others)."""
+    hpz = {"zero_hpz_partition_size": node}
+    qwz = {"zero_quantized_weights": True}
+    qgz = {"zero_quantized_gradients": True}
+    return {
+        "zeropp_hpz": hpz,
+        "zeropp_qwz": qwz,
+        "zeropp_qgz": qgz,
+        "zeropp_all": {**hpz, **qwz, **qgz},
+    }.get(mode, {})
+
+
 def _ds_config(mode: str, args: argparse.Namespace) -> dict[str, Any]:
+    stage3 = mode == "zero3_adam" or mode.startswith("zeropp_")
     optimizer: dict[str, Any] = {
         "zero0_adam": {"type": "Adam", "params": {"lr": LR}},
         "zero3_adam": {"type": "Adam", "params": {"lr": LR}},
@@ -81,19 +113,24 @@ def _ds_config(mode: str, args: argparse.Namespace) -> dict[str, Any]:
             "params": {"lr": LR, "var_freeze_step": args.freeze},
         },
         "onebit_lamb": {"type": "OneBitLamb", "params": {"lr": LR, "freeze_step": args.freeze}},
-    }[mode]
+    }.get(mode, {"type": "Adam", "params": {"lr": LR}})
     return {
         "train_micro_batch_size_per_gpu": args.micro,
         "gradient_accumulation_steps": 1,
         "optimizer": optimizer,
-        "zero_optimization": {"stage": 3 if mode == "zero3_adam" else 0},
+        "zero_optimization": {
+            "stage": 3 if stage3 else 0,
+            "stage3_param_persistence_threshold": args.persistence,
+            **_zeropp_keys(mode, args.node),
+        },
     }
 
 
-def _bus_bytes() -> float:
+def _bus_bytes(crossing_nodes: bool = False) -> float:
     from shardspeed import comm
 
-    return sum(op["bus_bytes"] for op in comm.get_comm_volume().values())
+    volume = comm.get_comm_volume(crossing_nodes=crossing_nodes)
+    return sum(op["bus_bytes"] for op in volume.values())
 
 
 def _logged_comm_s() -> float:
@@ -169,6 +206,7 @@ def _run_mode(
     warm = args.freeze + 1
     step_s: list[float] = []
     bus: list[float] = []
+    cross: list[float] = []
     losses: list[float] = []
     compute_s: list[float] = []
     for i, (tokens, targets) in enumerate(batches):
@@ -189,7 +227,9 @@ def _run_mode(
             compute_s.append(elapsed - comm_s)
         else:
             step_s.append(elapsed)
-            bus.append(_bus_bytes() + counter.bus_bytes - before)
+            ddp_bytes = counter.bus_bytes - before  # over the world: crossing nodes if several
+            bus.append(_bus_bytes() + ddp_bytes)
+            cross.append(_bus_bytes(True) + (ddp_bytes if args.node < args.world else 0.0))
             losses.append(loss)
     comm.configure(enabled=False)
     comm.reset_log()
@@ -199,6 +239,7 @@ def _run_mode(
         "step_s": statistics.median(step_s),
         "compute_s": statistics.median(compute_s),
         "bus_bytes": statistics.fmean(bus),
+        "cross_bytes": statistics.fmean(cross),
         "final_loss": statistics.fmean(losses[-3:]),
     }
 
@@ -206,6 +247,7 @@ def _run_mode(
 def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, queue: Any) -> None:
     torch.set_num_threads(args.threads)
     init_rank(rank, world, port)
+    os.environ["LOCAL_WORLD_SIZE"] = str(args.node)  # the emulated node (byte counter, ZeRO++)
     cfg = gpt_config(args)
     total = args.freeze + 1 + 2 * args.steps
     data = synthetic_tokens(total * args.micro * world, cfg, seed=7)
@@ -240,7 +282,12 @@ def summarize(args: argparse.Namespace, ranks: list[dict[str, Any]]) -> dict[str
         "seq": args.seq,
         "freeze_step": args.freeze,
         "timed_steps": args.steps,
-        "link_model": "modelled, not measured: compute_s + bus_bytes_per_step / link",
+        "ranks_per_node": args.node,
+        "link_model": (
+            "modelled, not measured: compute_s + inter-node bus bytes / link + intra-node bus "
+            "bytes / (link * intra_ratio)"
+        ),
+        "intra_ratio": args.intra_ratio,
     }
     figures: dict[str, dict[str, Any]] = {}
     for mode in modes:
@@ -248,6 +295,7 @@ def summarize(args: argparse.Namespace, ranks: list[dict[str, Any]]) -> dict[str
             "step_s": max(r[mode]["step_s"] for r in ranks),
             "compute_s": max(r[mode]["compute_s"] for r in ranks),
             "bus_bytes_per_step": max(r[mode]["bus_bytes"] for r in ranks),
+            "inter_node_bytes_per_step": max(r[mode]["cross_bytes"] for r in ranks),
             "final_loss": statistics.fmean(r[mode]["final_loss"] for r in ranks),
         }
     base = figures.get("zero0_adam")
@@ -266,30 +314,40 @@ def summarize(args: argparse.Namespace, ranks: list[dict[str, Any]]) -> dict[str
             "compute_s": round(fig["compute_s"], 4),
             "comm_s_loopback": round(comm_s, 4),
             "bus_bytes_per_step": round(fig["bus_bytes_per_step"]),
+            "inter_node_bytes_per_step": round(fig["inter_node_bytes_per_step"]),
             "bytes_vs_zero0": None,
             "final_loss": round(fig["final_loss"], 4),
         }
         if base is not None:
             out["bytes_vs_zero0"] = round(fig["bus_bytes_per_step"] / base["bus_bytes_per_step"], 4)
+        inter = fig["inter_node_bytes_per_step"]
+        intra = fig["bus_bytes_per_step"] - inter
         out["modelled_step_s"] = {
-            name: round(fig["compute_s"] + fig["bus_bytes_per_step"] / (gbps * 1e9 / 8), 4)
+            name: round(fig["compute_s"] + (inter + intra / args.intra_ratio) / (gbps * 1e9 / 8), 4)
             for name, gbps in links.items()
         }
         summary[mode] = out
-    if base is not None:
-        base_model = summary["zero0_adam"]["modelled_step_s"]
+    for peer in ("zero0_adam", "zero3_adam"):
+        if peer not in figures:
+            continue
+        peer_model = summary[peer]["modelled_step_s"]
+        peer_inter = max(summary[peer]["inter_node_bytes_per_step"], 1)
         for mode in modes:
-            summary[mode]["modelled_speedup_vs_zero0"] = {
-                name: round(base_model[name] / max(value, 1e-12), 3)
+            summary[mode][f"modelled_speedup_vs_{peer.split('_')[0]}"] = {
+                name: round(peer_model[name] / max(value, 1e-12), 3)
                 for name, value in summary[mode]["modelled_step_s"].items()
             }
+            if peer == "zero3_adam":
+                summary[mode]["inter_node_bytes_vs_zero3"] = round(
+                    summary[mode]["inter_node_bytes_per_step"] / peer_inter, 4
+                )
     return summary
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--modes", type=str, default=",".join(MODES))
+    ap.add_argument("--modes", type=str, default=",".join(MODES[:6]), help=f"of {MODES}")
     ap.add_argument("--n_layer", type=int, default=4)
     ap.add_argument("--n_embd", type=int, default=256)
     ap.add_argument("--n_head", type=int, default=4)
@@ -299,16 +357,33 @@ def main() -> None:
     ap.add_argument("--freeze", type=int, default=5, help="compression starts after this step")
     ap.add_argument("--steps", type=int, default=8, help="timed steps per pass")
     ap.add_argument("--link_gbps", type=float, default=100.0, help="inter-node Gb/s per rank")
+    ap.add_argument(
+        "--persistence",
+        type=int,
+        default=100_000,
+        help="stage3_param_persistence_threshold (DeepSpeed's default; --tiny: 0, so its small "
+        "modules are gathered and released as a large model's are)",
+    )
+    ap.add_argument("--node", type=int, default=1, help="ranks per emulated node")
+    ap.add_argument(
+        "--intra_ratio",
+        type=float,
+        default=18.0,
+        help="intra-node link speed over the inter-node one (H100: NVLink 900 GB/s per GPU "
+        "against one 400 Gb/s NDR port, 18x)",
+    )
     ap.add_argument("--ref_tflops", type=float, default=125.0, help="achieved TFLOP/s per GPU")
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2))
     ap.add_argument("--tiny", action="store_true", help="test sizes: a few seconds per mode")
     args = ap.parse_args()
     if args.tiny:
         args.n_layer, args.n_embd, args.n_head, args.vocab, args.seq = 1, 32, 2, 256, 16
-        args.micro, args.freeze, args.steps = 2, 3, 3
+        args.micro, args.freeze, args.steps, args.persistence = 2, 3, 3, 0
     unknown = sorted(set(args.modes.split(",")) - set(MODES))
     if unknown:
         raise ValueError(f"--modes: unknown {unknown}; choose from {list(MODES)}")
+    if args.node < 1 or args.world % args.node:
+        raise ValueError(f"--node {args.node} must divide --world {args.world}")
     with socket.socket() as sock:  # a free port: other benchmarks or tests may hold fixed ones
         sock.bind(("127.0.0.1", 0))
         port = int(sock.getsockname()[1])

@@ -34,3 +34,23 @@ def test_tiny_run_reports_every_mode() -> None:
         assert 0 < out[mode]["bus_bytes_per_step"] < zero0 / 10, (mode, out[mode])
         # fewer bytes over the (slow, modelled) link: a shorter modelled step at the GPU ratio
         assert out[mode]["modelled_speedup_vs_zero0"]["at_gpu_ratio"] > 1, (mode, out[mode])
+
+
+ZEROPP = ["zeropp_hpz", "zeropp_qwz", "zeropp_qgz", "zeropp_all"]
+
+
+@pytest.mark.timeout(300)
+def test_tiny_zeropp_run_cuts_inter_node_bytes() -> None:
+    modes = ",".join(["zero3_adam", *ZEROPP])
+    out = tiny_run(
+        "bench_comm_compression.py", 280, "--world", "4", "--node", "2", "--modes", modes
+    )
+    assert out["ranks_per_node"] == 2
+    zero3 = out["zero3_adam"]
+    assert zero3["inter_node_bytes_per_step"] > 0
+    for mode in ZEROPP:
+        figures = out[mode]
+        assert math.isfinite(figures["final_loss"]), (mode, figures)
+        assert figures["inter_node_bytes_vs_zero3"] < 1, (mode, figures)
+    # hpZ's backward gathers stay in the node, qwZ sends int8, qgZ int4; together the least
+    assert out["zeropp_all"]["inter_node_bytes_vs_zero3"] < 0.35, out["zeropp_all"]

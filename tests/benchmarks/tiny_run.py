@@ -11,10 +11,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def tiny_run(script: str, timeout: float) -> dict[str, Any]:
-    """``python benchmarks/<script> --tiny`` from the repository root: exit 0, last line JSON."""
+def tiny_run(script: str, timeout: float, *args: str) -> dict[str, Any]:
+    """``python benchmarks/<script> --tiny *args`` from the repository root: exit 0, last line
+    JSON."""
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / script), "--tiny"],
+        [sys.executable, str(ROOT / "benchmarks" / script), "--tiny", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
