@@ -246,7 +246,8 @@ class PartitionedGroup(ShardGroup):
         target, overwrite = self.mode.target(self, bucket)
         direct = overwrite and target.dtype == source.dtype
         output = target if direct else torch.empty_like(target, dtype=source.dtype)
-        work = self.comm.reduce_scatter(output, source, async_op=True)
+        # the bucket's index names it across steps (ZeRO++ LoCo keeps error buffers by it)
+        work = self.comm.reduce_scatter(output, source, async_op=True, key=bucket.index)
         self.inflight.add(work, partial(self._finish, bucket, output, target, overwrite))
 
     def _finish(
