@@ -121,9 +121,7 @@ class CommGroup:
             self._quantized_reduce_scatter(output, source, key)
             work: Any = _Done() if async_op else None
         else:
-            work = comm.reduce_scatter_tensor(
-                output, source, group=self.group, async_op=async_op
-            )
+            work = comm.reduce_scatter_tensor(output, source, group=self.group, async_op=async_op)
         replicas = self.replicated_over
         if replicas is None:
             return work
@@ -131,7 +129,6 @@ class CommGroup:
             replicas.all_reduce(output)
             return None
         return _ThenWork(work, lambda: replicas.all_reduce(output))
-
 
     def _quantized_reduce_scatter(
         self, output: torch.Tensor, source: torch.Tensor, key: Hashable | None

@@ -420,6 +420,10 @@ class PartitionedGroup(ShardGroup):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.comm.zeropp is not None:
+            # ZeRO++ LoCo's error buffers are not checkpointed (each rank's would hold the
+            # whole model's size): after a load they restart at zero, as at a reset_T boundary
+            self.comm.zeropp.errors.clear()
         saved = state.get("fp32_chunks")
         if saved is None:
             # no partitions saved (e.g. only the module was loaded): start from the model weights

@@ -112,10 +112,13 @@ def loco_after_overflow() -> dict[str, Any]:
     return {"first": first, "overflow": second, "finite_buffers": finite, "after": third}
 
 
-def train_steps(zeropp: dict[str, Any], steps: int, node: int = 2) -> dict[str, Any]:
+def train_steps(
+    zeropp: dict[str, Any], steps: int, node: int = 2, reload: str | None = None
+) -> dict[str, Any]:
     """The small GPT's ZeRO-3 steps with ``zeropp`` (as ``ranks.train``); per step the loss
     and the bytes moved by group size; the gradient buckets' padded sizes; LoCo's buffer
-    bytes."""
+    bytes (and with ``reload``, a directory: how many keys hold buffers after saving and
+    loading a checkpoint there)."""
     torch.manual_seed(0)
     with node_size(node):
         engine, *_ = shardspeed.initialize(model=GPT(SMALL_GPT), config=config(zeropp))
@@ -132,5 +135,9 @@ def train_steps(zeropp: dict[str, Any], steps: int, node: int = 2) -> dict[str, 
     record["buckets"] = [b.size for g in groups for b in g.buckets.buckets]
     zpp = groups[0].comm.zeropp
     record["error_bytes"] = sum(f.nbytes() for f in zpp.errors.values()) if zpp else 0
+    if reload is not None and zpp is not None:
+        engine.save_checkpoint(reload, tag="loco")
+        engine.load_checkpoint(reload, tag="loco")
+        record["errors_after_load"] = len(zpp.errors)
     engine.destroy()
     return record
