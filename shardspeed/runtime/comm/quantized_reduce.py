@@ -27,7 +27,10 @@ many reductions of similar values the quantization errors then cancel instead of
 (``sum(deQ) - sum(x) = (e_0 - e_T) / (1 - beta)`` telescopes). The buffers are fp32, one per
 level and reduction key, cleared every ``reset_t`` reductions of that key. An element whose
 update is not finite (an fp16 overflow the loss scaler will skip) keeps its previous error, so
-one overflowing step does not poison the buffers until the next reset.
+one overflowing step does not poison the buffers until the next reset. Memory: per key, the
+node level's buffer is the whole source and the cross level's ``1/k`` of it, i.e. ``4 (1 + 1/k)``
+bytes per element reduced (ZeRO-3 reduces every bucket on every rank: that much per model
+element on each rank, beside the shards).
 """
 
 from __future__ import annotations
