@@ -10,7 +10,7 @@ hierarchical collectives (ZeRO++) are the same four verbs on another group.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +18,7 @@ import torch
 
 from shardspeed import comm
 from shardspeed.comm import ProcessGroup
+from shardspeed.runtime.comm.quantized_reduce import ErrorFeedback, Level, quantized_reduce_scatter
 
 if TYPE_CHECKING:
     from shardspeed.runtime.zero.zeropp import ZeroPP
@@ -105,12 +106,22 @@ class CommGroup:
         return comm.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
 
     def reduce_scatter(
-        self, output: torch.Tensor, source: torch.Tensor, async_op: bool = False
+        self,
+        output: torch.Tensor,
+        source: torch.Tensor,
+        async_op: bool = False,
+        key: Hashable | None = None,
     ) -> Any:
         """Sum ``source`` over the ranks holding this shard and leave this rank's part in
         ``output``: the group's reduce-scatter, then (MiCS) an all-reduce of the part over
-        the replicas holding the same shard in the other groups."""
-        work = comm.reduce_scatter_tensor(output, source, group=self.group, async_op=async_op)
+        the replicas holding the same shard in the other groups. With ZeRO++'s qgZ the
+        reduce-scatter is quantized all-to-alls instead, LoCo's error buffers kept under
+        ``key`` (a name stable across steps, e.g. the gradient bucket's index)."""
+        if self.zeropp is not None and self.zeropp.quantized_gradients:
+            self._quantized_reduce_scatter(output, source, key)
+            work: Any = _Done() if async_op else None
+        else:
+            work = comm.reduce_scatter_tensor(output, source, group=self.group, async_op=async_op)
         replicas = self.replicated_over
         if replicas is None:
             return work
@@ -118,6 +129,37 @@ class CommGroup:
             replicas.all_reduce(output)
             return None
         return _ThenWork(work, lambda: replicas.all_reduce(output))
+
+    def _quantized_reduce_scatter(
+        self, output: torch.Tensor, source: torch.Tensor, key: Hashable | None
+    ) -> None:
+        """qgZ: the reduce-scatter as one quantized all-to-all per level (the node group,
+        then the same place in the other nodes; or the whole group), run to completion."""
+        zeropp = self.zeropp
+        assert zeropp is not None
+        if zeropp.local is None or zeropp.cross is None:
+            levels = [Level(self.group, self.world_size)]
+        else:
+            local, cross = zeropp.local, zeropp.cross
+            # the levels' mixed-radix numbering must be this group's own
+            assert self.rank == cross.rank * local.world_size + local.rank
+            levels = [Level(local.group, local.world_size), Level(cross.group, cross.world_size)]
+        feedback = None
+        if zeropp.loco is not None:
+            assert key is not None, "LoCo keeps its error buffers under the reduction's key"
+            feedback = zeropp.errors.get(key)
+            if feedback is None:
+                feedback = zeropp.errors[key] = ErrorFeedback(
+                    zeropp.loco.err_beta, zeropp.loco.reset_t
+                )
+        quantized_reduce_scatter(output, source, levels, feedback=feedback)
+
+
+class _Done:
+    """The handle of a collective that already ran to completion."""
+
+    def wait(self) -> bool:
+        return True
 
 
 class _ThenWork:

@@ -246,7 +246,8 @@ class PartitionedGroup(ShardGroup):
         target, overwrite = self.mode.target(self, bucket)
         direct = overwrite and target.dtype == source.dtype
         output = target if direct else torch.empty_like(target, dtype=source.dtype)
-        work = self.comm.reduce_scatter(output, source, async_op=True)
+        # the bucket's index names it across steps (ZeRO++ LoCo keeps error buffers by it)
+        work = self.comm.reduce_scatter(output, source, async_op=True, key=bucket.index)
         self.inflight.add(work, partial(self._finish, bucket, output, target, overwrite))
 
     def _finish(
@@ -419,6 +420,10 @@ class PartitionedGroup(ShardGroup):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.comm.zeropp is not None:
+            # ZeRO++ LoCo's error buffers are not checkpointed (each rank's would hold the
+            # whole model's size): after a load they restart at zero, as at a reset_T boundary
+            self.comm.zeropp.errors.clear()
         saved = state.get("fp32_chunks")
         if saved is None:
             # no partitions saved (e.g. only the module was loaded): start from the model weights
