@@ -57,8 +57,16 @@ def _data(step: int, inputs: int, outputs: int) -> tuple[torch.Tensor, torch.Ten
     return x, y
 
 
-def _engine(model: nn.Module, zeropp: dict[str, Any], node: int = 2, **zero: Any) -> Any:
-    cfg = config(zeropp)
+def _engine(
+    model: nn.Module,
+    zeropp: dict[str, Any],
+    node: int = 2,
+    extra: dict[str, Any] | None = None,
+    **zero: Any,
+) -> Any:
+    """``model`` under ZeRO-3 with ``zeropp`` and the other ``zero_optimization`` keys
+    ``zero`` (``extra``: top-level config keys), on nodes of ``node`` ranks."""
+    cfg = config(zeropp, **(extra or {}))
     cfg["zero_optimization"].update(zero)
     with node_size(node):
         engine, *_ = shardspeed.initialize(
@@ -77,16 +85,20 @@ def _flats(engine: Any) -> list[FlatShard]:
     return [flat for unit in _units(engine) for flat in unit.flats]
 
 
-def phase_volumes(zeropp: dict[str, Any], steps: int = 2, node: int = 2) -> dict[str, Any]:
-    """Train :class:`Stack` ``steps`` steps; per step the bytes of each phase (forward,
-    backward, step) by op and group size, the losses, and the flats' sizes."""
+def phase_volumes(
+    zeropp: dict[str, Any], steps: int = 2, node: int = 2, bf16: bool = False
+) -> dict[str, Any]:
+    """Train :class:`Stack` ``steps`` steps (``bf16``: in bf16); per step the bytes of each
+    phase (forward, backward, step) by op and group size, the losses, and the flats' sizes."""
     torch.manual_seed(0)
-    engine = _engine(Stack(), zeropp, node)
+    extra = {"bf16": {"enabled": True}} if bf16 else None
+    engine = _engine(Stack(), zeropp, node, extra)
+    dtype = torch.bfloat16 if bf16 else torch.float32
     record: dict[str, Any] = {"loss": [], "phases": []}
     for step in range(steps):
         x, y = _data(step, 24, 10)
         comm.reset_comm_volume()
-        loss = nn.functional.cross_entropy(engine(x), y)
+        loss = nn.functional.cross_entropy(engine(x.to(dtype)).float(), y)
         forward = comm.get_comm_volume(by_group_size=True)
         comm.reset_comm_volume()
         engine.backward(loss)
