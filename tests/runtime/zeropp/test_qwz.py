@@ -4,6 +4,7 @@ ranks seen as 2 nodes of 2."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from shardspeed.runtime.comm.quantize import INT8
 from tests.runtime.zeropp import weights_ranks
@@ -69,3 +70,16 @@ def test_frozen_weights_are_stored_quantized(dist_pool):
 @pytest.mark.timeout(60)
 def test_zero_init_accepts_the_quantized_keys(dist_pool):
     assert all(dist_pool(WORLD).run(weights_ranks.init_accepts_quantized_keys))
+
+
+@pytest.mark.timeout(120)
+def test_parameter_offload_gathers_the_same_values(dist_pool, tmp_path):
+    # a swapped shard is read back, then gathered quantized (or sent as its stored payload)
+    keys = {**QWZ, "zero_quantized_nontrainable_weights": True}
+    on_device = dist_pool(WORLD).run(weights_ranks.adapter_run, keys)
+    offload = {"device": "nvme", "nvme_path": str(tmp_path)}
+    swapped = dist_pool(WORLD).run(weights_ranks.adapter_run, keys, offload_param=offload)
+    for base, mine in zip(on_device, swapped, strict=True):
+        assert mine["loss"] == base["loss"]
+        for name, value in base["params"].items():
+            assert torch.equal(mine["params"][name], value), name

@@ -314,3 +314,21 @@ def secondary_follows_primary() -> dict[str, Any]:
     out["after_load"] = [f.secondary is not None for f in flats]
     engine.destroy()
     return out
+
+
+def adapter_run(zeropp: dict[str, Any], steps: int = 3, **zero: Any) -> dict[str, Any]:
+    """Train :class:`Adapted` ``steps`` steps with ``zeropp`` and the ``zero_optimization``
+    keys ``zero`` (e.g. ``offload_param``): the losses and the final parameters."""
+    torch.manual_seed(0)
+    engine = _engine(Adapted(), zeropp, **zero)
+    losses = []
+    for step in range(steps):
+        x, y = _data(step, 128, 8)
+        loss = nn.functional.cross_entropy(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    with shardspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    engine.destroy()
+    return {"loss": losses, "params": params}
