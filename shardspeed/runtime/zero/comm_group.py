@@ -18,6 +18,7 @@ import torch
 
 from shardspeed import comm
 from shardspeed.comm import ProcessGroup
+from shardspeed.runtime.comm.quantize import QuantSpec, dequantize, quantize
 from shardspeed.runtime.comm.quantized_reduce import ErrorFeedback, Level, quantized_reduce_scatter
 
 if TYPE_CHECKING:
@@ -96,9 +97,42 @@ class CommGroup:
         if self.partitioned:
             comm.broadcast(tensor, src=self.global_rank(member), group=self.group)
 
-    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> Any:
-        """Concatenate every rank's ``shard`` into ``output`` in group-rank order."""
-        return comm.all_gather_into_tensor(output, shard, group=self.group, async_op=async_op)
+    def all_gather(
+        self,
+        output: torch.Tensor,
+        shard: torch.Tensor,
+        async_op: bool = False,
+        spec: QuantSpec | None = None,
+    ) -> Any:
+        """Concatenate every rank's ``shard`` into ``output`` in group-rank order; with
+        ``spec`` (ZeRO++ qwZ) each rank sends its shard quantized
+        (:meth:`all_gather_payload`)."""
+        if spec is None:
+            return comm.all_gather_into_tensor(output, shard, group=self.group, async_op=async_op)
+        return self.all_gather_payload(output, quantize(shard, spec), spec, async_op)
+
+    def all_gather_payload(
+        self, output: torch.Tensor, payload: torch.Tensor, spec: QuantSpec, async_op: bool = False
+    ) -> Any:
+        """All-gather every rank's quantized ``payload`` (``spec``'s ``uint8`` scales and codes
+        of its ``output.numel() / world_size`` elements) in one collective and dequantize each
+        rank's part, this rank's own included (every rank then holds the same values), into
+        ``output`` (when waited for, if ``async_op``)."""
+        chunk = output.numel() // self.world_size
+        gathered = payload.new_empty(payload.numel() * self.world_size)
+        work = comm.all_gather_into_tensor(gathered, payload, group=self.group, async_op=async_op)
+
+        def unpack() -> None:
+            parts = gathered.view(self.world_size, -1)
+            for member in range(self.world_size):
+                dequantize(
+                    parts[member], chunk, spec, out=output[chunk * member : chunk * (member + 1)]
+                )
+
+        if not async_op:
+            unpack()
+            return None
+        return _ThenWork(work, unpack)
 
     def all_reduce(self, tensor: torch.Tensor, op: Any = None, async_op: bool = False) -> Any:
         """Reduce ``tensor`` in place over the group (sum by default)."""

@@ -29,6 +29,24 @@ the :class:`~.residency.Residency` it is given says: in host memory (``cpu``; a 
 made for the all-gather) or in a file through a :class:`~.state_swap.SwapStore` (``nvme``: read
 back before the gather, and out of memory again as soon as the gather is done, written only if
 it changed). The collectives are the comm group's (:class:`~.comm_group.CommGroup`).
+
+ZeRO++ (the comm group's :attr:`~.comm_group.CommGroup.zeropp`):
+
+* **qwZ** (``quantized_weights``): a *lossy* gather (the hooks' gathers and prefetches, see
+  :meth:`FlatShard.gather`) sends this rank's shard as one int8 payload and dequantizes every
+  rank's part, its own included, so all ranks compute with the same weights; the full buffer
+  then holds dequantized values (:attr:`FlatShard.lossy`) and a gather asking for exact values
+  (``GatheredParameters``, state dicts, checkpoints, the post-step refresh) gathers it again.
+  The shard itself stays exact.
+* **hpZ** (``secondary``, a group of k consecutive ranks): a release in place (the hooks')
+  keeps a *secondary* shard, this rank's 1/k part of the full buffer (Ψ/k elements per rank
+  for a model of Ψ, on top of the Ψ/N primary shard), and the next gather while it is valid
+  all-gathers those over the k ranks only: an exact copy of whatever the full buffer held
+  (with qwZ the dequantized values, sent unquantized inside the node). It is dropped whenever
+  the primary shard changes (:meth:`FlatShard.invalidate_secondary`: the optimizer step,
+  :meth:`~FlatShard.set_shard`, :meth:`~FlatShard.keep_full_values`).
+* ``quantized_nontrainable_weights``: frozen parameters' shards are stored as int8 payloads
+  (:class:`~.quantized_shard.QuantizedFlatShard`, made by :func:`pack_flat_shards`).
 """
 
 from __future__ import annotations
@@ -39,6 +57,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardspeed.runtime.comm.quantize import INT8, QuantSpec
 from shardspeed.runtime.zero.comm_group import CommGroup
 from shardspeed.runtime.zero.residency import ON_DEVICE, Residency
 
@@ -74,6 +93,12 @@ class FlatShard:
         self.gathered = True
         #: where the shard lives between uses (``offload_param``)
         self.residency: Residency = ON_DEVICE
+        #: qwZ: the full buffer holds dequantized values (an exact gather must redo it)
+        self.lossy = False
+        #: hpZ: this rank's part of the full buffer within its secondary group (None: invalid)
+        self.secondary: torch.Tensor | None = None
+        #: hpZ: the secondary shard was cut from dequantized values
+        self.secondary_lossy = False
 
     @torch.no_grad()
     def offload(self, residency: Residency) -> None:
@@ -82,6 +107,12 @@ class FlatShard:
         a swapped one goes out when released."""
         if self.residency is not ON_DEVICE:
             return
+        if self._secondary_group() is not None:
+            raise NotImplementedError(
+                "zero_optimization.zero_hpz_partition_size (hpZ) with "
+                "zero_optimization.offload_param is not supported in shardspeed; set "
+                "zero_hpz_partition_size to 1 or remove offload_param"
+            )
         self.residency = residency
         self.shard = residency.adopt(self.shard, movable=self.comm.partitioned)
         if not self.comm.partitioned and self.gathered:
@@ -94,8 +125,9 @@ class FlatShard:
     def set_shard(self, values: torch.Tensor) -> None:
         """Write this rank's shard (e.g. the optimizer's updated fp32 master, cast), wherever
         it lives."""
+        self.invalidate_secondary()
         self.residency.fetch(self.shard)
-        self.shard.copy_(values)
+        self._write_shard(values)
         self.residency.changed()
         if self.comm.partitioned or not self.gathered:
             self.residency.evict(self.shard)
@@ -114,33 +146,77 @@ class FlatShard:
         """Where this rank's shard sits in the flat layout."""
         return slice(self.chunk_numel * self.comm.rank, self.chunk_numel * (self.comm.rank + 1))
 
-    def gather(self) -> Any:
+    def gather(self, lossy: bool = False) -> Any:
         """Regrow the full buffer and start all-gathering the shards into it; returns the
-        collective's work handle (None if there is nothing to wait for)."""
+        collective's work handle (None if there is nothing to wait for).
+
+        ``lossy``: the hooks' gathers, which qwZ may quantize and hpZ may serve from the
+        secondary shards; otherwise (exact) a buffer holding dequantized values is gathered
+        again."""
         if self.gathered:
-            return None
+            return None if lossy or not self.lossy else self.refresh()
         if self.residency.swapped and self.comm.partitioned:
             # start reading the shard back (the swapper's threads) and gather when waited for:
             # a prefetched unit's read overlaps the running module's compute
             reads = self.residency.start_fetch(self.shard)
             self.full.untyped_storage().resize_(self._nbytes)
             self.gathered = True
-            return _ReadThenGather(self, reads)
+            return _ReadThenGather(self, reads, lossy)
         self.residency.fetch(self.shard)
         self.gathered = True
         if not self.comm.partitioned:  # the shard is the full buffer: swapped in, in use
             self.residency.pin(True)
             return None
         self.full.untyped_storage().resize_(self._nbytes)
-        return self.comm.all_gather(self.full, self._source(), async_op=True)
+        return self._all_gather(lossy, async_op=True)
+
+    def _all_gather(self, lossy: bool, async_op: bool) -> Any:
+        """All-gather the full buffer: from the secondary shards over the secondary group
+        when they are valid (and exact, unless ``lossy``), else from the primary shards."""
+        secondary = self._secondary_group()
+        if secondary is not None and self.secondary is not None:
+            if lossy or not self.secondary_lossy:
+                self.lossy = self.secondary_lossy
+                return secondary.all_gather(self.full, self.secondary, async_op=async_op)
+        return self._gather_primary(lossy, async_op)
+
+    def _gather_primary(self, lossy: bool, async_op: bool) -> Any:
+        """All-gather the primary shards over the group (qwZ: int8 payloads when ``lossy``)."""
+        spec = self._weight_spec(lossy)
+        self.lossy = spec is not None
+        return self.comm.all_gather(self.full, self._source(), async_op=async_op, spec=spec)
+
+    def _weight_spec(self, lossy: bool) -> QuantSpec | None:
+        """The format a gather sends the shards in (None: as they are)."""
+        zeropp = self.comm.zeropp
+        return INT8 if lossy and zeropp is not None and zeropp.quantized_weights else None
+
+    def _secondary_group(self) -> CommGroup | None:
+        """hpZ's group of consecutive ranks (None: hpZ is off)."""
+        zeropp = self.comm.zeropp
+        return zeropp.secondary if zeropp is not None else None
+
+    def invalidate_secondary(self) -> None:
+        """The primary shard changed: the secondary shard (hpZ) no longer matches it."""
+        self.secondary = None
+
+    def _keep_secondary(self) -> None:
+        """hpZ: keep this rank's part of the (gathered) full buffer within its secondary
+        group, unless a valid one is kept already."""
+        group = self._secondary_group()
+        if group is None or self.secondary is not None:
+            return
+        piece = self.full.numel() // group.world_size
+        self.secondary = self.full[piece * group.rank : piece * (group.rank + 1)].clone()
+        self.secondary_lossy = self.lossy
 
     def refresh(self) -> Any:
-        """All-gather the (updated) shards into a full buffer that is gathered already
-        (waited for here when the shard is swapped)."""
+        """All-gather the (updated) shards, exactly, into a full buffer that is gathered
+        already (waited for here when the shard is swapped)."""
         if not self.gathered or not self.comm.partitioned:
             return None
         self.residency.fetch(self.shard)
-        work = self.comm.all_gather(self.full, self._source(), async_op=True)
+        work = self._all_gather(lossy=False, async_op=True)
         if not self.residency.swapped:
             return work
         work.wait()
@@ -157,7 +233,9 @@ class FlatShard:
         if not self.gathered:
             return
         if self.comm.partitioned:
-            if not in_place:
+            if in_place:  # the hooks' release: the backward gathers the unit again soon
+                self._keep_secondary()
+            else:
                 self._fresh_storage(keep_values=False)
             self.full.untyped_storage().resize_(0)
             self.gathered = False
@@ -222,28 +300,48 @@ class FlatShard:
         """Make the shard follow the (gathered) full buffer, after its values were written
         there, e.g. by ``load_state_dict``."""
         assert self.gathered, "only a gathered buffer holds full values"
+        self.invalidate_secondary()
         if self.comm.partitioned:
             self.residency.fetch(self.shard)
-            self.shard.copy_(self.full[self.chunk_slice])
+            self._take_full()
+        self.lossy = False
         if self.residency.swapped:
             self.residency.changed()
             self.shard_out()
 
+    def _write_shard(self, values: torch.Tensor) -> None:
+        """Store ``values`` (this rank's part of the flat layout) as the shard."""
+        self.shard.copy_(values)
+
+    def _take_full(self) -> None:
+        """Store this rank's part of the full buffer as the shard."""
+        self.shard.copy_(self.full[self.chunk_slice])
+
 
 def pack_flat_shards(params: Sequence[nn.Parameter], comm_group: CommGroup) -> list[FlatShard]:
     """``params`` packed one after another in one flat buffer per dtype, each padded to a
-    multiple of the world size."""
-    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+    multiple of the world size. With ZeRO++'s ``quantized_nontrainable_weights`` (over more
+    than one rank), frozen floating parameters (``requires_grad=False``) go to buffers of
+    their own whose shards are stored quantized
+    (:class:`~.quantized_shard.QuantizedFlatShard`)."""
+    from shardspeed.runtime.zero.quantized_shard import QuantizedFlatShard
+
+    zeropp = comm_group.zeropp
+    split = zeropp is not None and zeropp.quantized_nontrainable_weights
+    split = split and comm_group.partitioned
+    by_kind: dict[tuple[torch.dtype, bool], list[nn.Parameter]] = {}
     for param in params:
-        by_dtype.setdefault(param.dtype, []).append(param)
+        frozen = split and not param.requires_grad and param.is_floating_point()
+        by_kind.setdefault((param.dtype, frozen), []).append(param)
     flats = []
     world = comm_group.world_size
-    for group in by_dtype.values():
+    for (_, frozen), group in by_kind.items():
         offsets, total = [], 0
         for param in group:
             offsets.append(total)
             total += param.numel()
-        flats.append(FlatShard(group, offsets, -(-total // world) * world, comm_group))
+        kind = QuantizedFlatShard if frozen else FlatShard
+        flats.append(kind(group, offsets, -(-total // world) * world, comm_group))
     return flats
 
 
@@ -251,11 +349,10 @@ class _ReadThenGather:
     """The work of gathering a swapped shard: its read is in flight; :meth:`wait` finishes it,
     then all-gathers (every rank waits for its units in the same order)."""
 
-    def __init__(self, flat: FlatShard, reads: Sequence[Any]) -> None:
-        self.flat, self.reads = flat, reads
+    def __init__(self, flat: FlatShard, reads: Sequence[Any], lossy: bool) -> None:
+        self.flat, self.reads, self.lossy = flat, reads, lossy
 
     def wait(self) -> None:
         for read in self.reads:
             read.wait()
-        flat = self.flat
-        flat.comm.all_gather(flat.full, flat._source())
+        self.flat._all_gather(self.lossy, async_op=False)

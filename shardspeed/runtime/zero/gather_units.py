@@ -159,12 +159,24 @@ class GatherUnit:
             self.live.total += counted - self._counted
             self._counted = counted
 
-    def start_gather(self) -> None:
-        """Start all-gathering every released buffer (:meth:`finish_gather` waits)."""
+    @property
+    def lossy(self) -> bool:
+        """Whether a buffer holds dequantized values of a quantized gather (ZeRO++ qwZ)."""
+        return any(flat.lossy for flat in self._flats)
+
+    def start_gather(self, lossy: bool = False) -> None:
+        """Start all-gathering every released buffer (:meth:`finish_gather` waits).
+
+        ``lossy``: the hooks' gathers, which ZeRO++ may quantize (qwZ) or serve from the
+        secondary shards (hpZ); otherwise the values must be exact (they are kept or
+        written back), and a unit gathered lossy is gathered again."""
         if self.gathered:
-            return
+            if lossy or not self.lossy:
+                return
+            if self.gathering:  # the lossy gather in flight must not land after the exact one
+                self.finish_gather()
         self._set_state(ParamState.GATHERING)
-        self.pending = [work for flat in self._flats if (work := flat.gather()) is not None]
+        self.pending = [work for flat in self._flats if (work := flat.gather(lossy)) is not None]
         self.gathering = True
         self._sync()
 
@@ -179,8 +191,8 @@ class GatherUnit:
         self._set_state(ParamState.GATHERED)
         self._sync()
 
-    def gather(self) -> None:
-        self.start_gather()
+    def gather(self, lossy: bool = False) -> None:
+        self.start_gather(lossy)
         self.finish_gather()
 
     def release(self, force: bool = False, in_place: bool = False) -> None:

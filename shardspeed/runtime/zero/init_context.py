@@ -152,8 +152,10 @@ class Init:
     the group to partition over (default: every rank). ``dtype``: the parameters' dtype
     (default: fp16/bf16 if the config enables it, else unchanged). ``config_dict_or_path`` /
     ``config``: a DeepSpeed config (dict, path or DeepSpeedConfig) for that default.
-    ``remote_device`` other than the accelerator (parameter offload) and quantized weights are
-    refused until offload lands; ``pin_memory`` and ``mem_efficient_linear`` are accepted.
+    ``remote_device`` other than the accelerator (parameter offload) is refused until offload
+    lands; ``pin_memory`` and ``mem_efficient_linear`` are accepted. ``zero_quantized_weights``
+    / ``zero_quantized_nontrainable_weights`` (ZeRO++) are accepted: the construction-time
+    gathers stay exact, and the engine's ``zero_optimization`` keys decide the training ones.
     ``enabled=False`` makes the context do nothing. Contexts nest.
     """
 
@@ -179,11 +181,11 @@ class Init:
         self.enabled = enabled
         if not enabled:
             return
-        if zero_quantized_weights or zero_quantized_nontrainable_weights:
-            raise NotImplementedError(
-                "zero.Init(zero_quantized_weights / zero_quantized_nontrainable_weights) "
-                "(ZeRO++) is not yet supported in shardspeed; leave them False"
-            )
+        # ZeRO++'s quantized weights: accepted; the gathers made while building stay exact
+        # (rank 0's initial values must reach every rank unchanged), and the engine's
+        # zero_optimization section decides how training gathers and stores the weights
+        self.zero_quantized_weights = bool(zero_quantized_weights)
+        self.zero_quantized_nontrainable_weights = bool(zero_quantized_nontrainable_weights)
         if zero_param_parallel_group is not None or param_swapper is not None:
             raise NotImplementedError(
                 "zero.Init(zero_param_parallel_group / param_swapper) (hpZ, NVMe offload) is "

@@ -375,11 +375,11 @@ class ParamSharding:
                 unmark_partitioned(record.param)
 
     # -- gathering --------------------------------------------------------------------------
-    def _fetch(self, units: Iterable[GatherUnit]) -> None:
-        """Gather ``units`` (all their all-gathers in flight at once)."""
+    def _fetch(self, units: Iterable[GatherUnit], lossy: bool = False) -> None:
+        """Gather ``units`` (all their all-gathers in flight at once; ``lossy``: the hooks')."""
         chosen = list(units)
         for unit in chosen:
-            unit.start_gather()
+            unit.start_gather(lossy)
         for unit in chosen:
             if unit.gathering:  # (started here or ahead; a gathered unit has nothing to wait)
                 unit.finish_gather()
@@ -405,7 +405,7 @@ class ParamSharding:
                 + "). Raise stage3_max_live_parameters, or make the nesting shallower (a "
                 "module's own parameters stay gathered while its children run)"
             )
-        self._fetch([unit, *unit.uses])  # also waits for those started ahead
+        self._fetch([unit, *unit.uses], lossy=True)  # also waits for those started ahead
         self.prefetcher.fetched(unit)
         self.peak_live = max(self.peak_live, live + needed)
 

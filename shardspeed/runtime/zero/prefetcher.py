@@ -89,7 +89,7 @@ class Prefetcher:
                 or live + upcoming.numel > self.options.max_live_parameters
             ):
                 break
-            upcoming.start_gather()
+            upcoming.start_gather(lossy=True)
             self._ahead.append(upcoming)
             ahead += upcoming.numel
             live += upcoming.numel

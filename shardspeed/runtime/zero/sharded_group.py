@@ -74,9 +74,11 @@ class ShardedParamsGroup(PartitionedGroup):
     @torch.no_grad()
     def after_step(self) -> None:
         """The updated fp32 masters into the shards (cast; a shard swapped to NVMe is read,
-        written and swapped out again), then gathered units follow."""
+        written and swapped out again), then gathered units follow. Every shard changed
+        (also one the optimizer steps itself): ZeRO++'s secondary shards are dropped."""
         batched: list[tuple[torch.Tensor, torch.Tensor]] = []
         for flat, master in zip(self.shards, self.master_chunks, strict=True):
+            flat.invalidate_secondary()
             if master is flat.shard:
                 continue
             if flat.residency.swapped or flat.shard.device != master.device:
