@@ -13,6 +13,7 @@ bucket layout as stages 1 and 2 and re-partition across all of them.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -24,6 +25,8 @@ from shardspeed.runtime.zero.param_sharding import ParamSharding
 from shardspeed.runtime.zero.partition import FlatPartition
 from shardspeed.runtime.zero.partitioned_group import PartitionedGroup
 from shardspeed.runtime.zero.reduce_options import accumulation_dtype
+from shardspeed.runtime.zero.zeropp import step_traffic, traffic_line
+from shardspeed.utils.logging import log_dist
 
 # a gather unit is never split by size: its bucket is exactly its flat buffer
 _UNBOUNDED = 2**62
@@ -62,7 +65,26 @@ class ShardedParamsGroup(PartitionedGroup):
             buckets.buckets, self.records, self.comm.world_size, self.comm.rank
         )
         self.sharding.watch_gradients(self.records)
+        self._announce_zeropp(buckets)
         return buckets
+
+    def _announce_zeropp(self, buckets: GradientBuckets) -> None:
+        """Log once, on rank 0, the bus bytes per step ZeRO++ saves (theory: one forward, its
+        backward and one reduction, from the released buffers' and buckets' sizes)."""
+        settings = self.comm.zeropp
+        if settings is None or not settings.enabled or not self.comm.partitioned:
+            return
+        mine = {id(flat) for flat in self.shards}
+        gathers = [
+            (flat.full.numel(), flat.full.element_size())
+            for unit in self.sharding.units
+            if not unit.persistent
+            for flat in unit.flats
+            if id(flat) in mine
+        ]
+        reductions = [(b.size, (b.comm_dtype or b.dtype).itemsize) for b in buckets.buckets]
+        traffic = step_traffic(settings, self.comm.world_size, gathers, reductions)
+        log_dist(traffic_line(settings, traffic), ranks=[0], level=logging.INFO)
 
     def _param_chunk(self, bucket: int) -> torch.Tensor:
         return self.shards[bucket].shard

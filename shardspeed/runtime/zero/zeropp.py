@@ -147,3 +147,75 @@ def asks_zeropp(zero: Any) -> bool:
         or zero.zero_quantized_nontrainable_weights
         or zero.zero_quantized_gradients
     )
+
+
+def step_traffic(
+    settings: ZeroPP, world: int, gathers: list[tuple[int, int]], reductions: list[tuple[int, int]]
+) -> dict[str, float]:
+    """Bus bytes per rank of one training step (a forward, its backward, one reduction) over
+    groups that span nodes (``cross_*``) and in all (``total_*``), for plain ZeRO-3
+    (``*_plain``) and with ``settings``; ``gathers`` are the released buffers' (elements, bytes
+    per element), ``reductions`` the gradient buckets' (the byte counter's accounting, as
+    :mod:`shardspeed.comm.volume` states it)."""
+    from shardspeed.runtime.comm.quantize import INT4, INT8
+
+    node = settings.local.world_size if settings.local is not None else world
+    crosses = node < world
+    ring = (world - 1) / world
+    totals = dict.fromkeys(("cross_plain", "total_plain", "cross", "total"), 0.0)
+
+    def add(kind: str, nbytes: float, factor: float, crossing: bool) -> None:
+        suffix = "_plain" if kind == "plain" else ""
+        totals["total" + suffix] += nbytes * factor
+        if crossing:
+            totals["cross" + suffix] += nbytes * factor
+
+    for numel, size in gathers:
+        add("plain", 2 * numel * size, ring, crosses)
+        sent = (
+            world * INT8.payload_nbytes(numel // world)
+            if settings.quantized_weights
+            else numel * size
+        )
+        add("zeropp", sent, ring, crosses)  # the forward's
+        if settings.secondary is not None:
+            k = settings.secondary.world_size
+            add("zeropp", numel * size, (k - 1) / k, False)
+        else:
+            add("zeropp", sent, ring, crosses)
+    for numel, size in reductions:
+        add("plain", numel * size, ring, crosses)
+        if not settings.quantized_gradients:
+            add("zeropp", numel * size, ring, crosses)
+        elif settings.local is None or settings.cross is None:
+            add("zeropp", world * INT4.payload_nbytes(numel // world), ring, crosses)
+        else:
+            nodes = settings.cross.world_size
+            add("zeropp", node * INT4.payload_nbytes(numel // node), (node - 1) / node, False)
+            add("zeropp", nodes * INT4.payload_nbytes(numel // world), (nodes - 1) / nodes, True)
+    return totals
+
+
+def traffic_line(settings: ZeroPP, traffic: dict[str, float]) -> str:
+    """The log line stating what ``settings`` saves per step (from :func:`step_traffic`)."""
+    modes = []
+    if settings.secondary is not None:
+        modes.append(f"hpZ over {settings.secondary.world_size} ranks")
+    if settings.quantized_weights:
+        modes.append("qwZ int8")
+    if settings.quantized_nontrainable_weights:
+        modes.append("frozen weights int8")
+    if settings.quantized_gradients:
+        modes.append("qgZ int4" + (" + LoCo" if settings.loco is not None else ""))
+    mb = 1 / 2**20
+    line = (
+        f"ZeRO++ ({', '.join(modes)}): about {traffic['total'] * mb:.2f} MB of bus traffic per "
+        f"rank per step instead of plain ZeRO-3's {traffic['total_plain'] * mb:.2f} MB"
+    )
+    if traffic["cross_plain"] > 0:
+        line += (
+            f"; across nodes {traffic['cross'] * mb:.2f} MB instead of "
+            f"{traffic['cross_plain'] * mb:.2f} MB "
+            f"({traffic['cross_plain'] / max(traffic['cross'], 1.0):.1f}x less)"
+        )
+    return line

@@ -94,3 +94,40 @@ def train(
         record["params"] = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     engine.destroy()
     return record
+
+
+def traffic_case(zeropp: dict[str, Any], node: int = 2) -> dict[str, Any]:
+    """The ZeRO++ log line (rank 0) and one step's measured bus bytes per rank, in all and over
+    groups spanning nodes (the second step: the first records the module order)."""
+    import logging
+
+    from shardspeed.utils.logging import logger
+
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    handler = Keep(level=logging.INFO)
+    logger.addHandler(handler)
+    try:
+        torch.manual_seed(0)
+        with node_size(node):
+            engine, *_ = shardspeed.initialize(model=GPT(SMALL_GPT), config=config(zeropp))
+            out: dict[str, Any] = {}
+            for step in range(2):
+                tokens = batch(step, 2)
+                comm.reset_comm_volume()
+                loss = engine(tokens[:, :-1], tokens[:, 1:])
+                engine.backward(loss)
+                engine.step()
+                total = comm.get_comm_volume()
+                crossing = comm.get_comm_volume(crossing_nodes=True)
+            out["total"] = sum(v["bus_bytes"] for v in total.values())
+            out["crossing"] = sum(v["bus_bytes"] for v in crossing.values())
+        engine.destroy()
+    finally:
+        logger.removeHandler(handler)
+    out["lines"] = [line for line in lines if "ZeRO++ (" in line]
+    return out
