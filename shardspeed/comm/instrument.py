@@ -40,8 +40,9 @@ def group_size(group: Any) -> int:
     return dist.get_world_size(group)
 
 
-#: (group, ranks per node) -> whether the group's ranks sit on more than one node
-_CROSSING: dict[tuple[int, int], bool] = {}
+#: (group id, ranks per node) -> (the group, whether its ranks sit on more than one node); the
+#: group is held so that its id is not reused by another while the entry lives
+_CROSSING: dict[tuple[int, int], tuple[Any, bool]] = {}
 
 
 def crosses_nodes(group: Any) -> bool:
@@ -52,13 +53,13 @@ def crosses_nodes(group: Any) -> bool:
     if per_node == 0:
         return False
     key = (id(group), per_node)
-    found = _CROSSING.get(key)
-    if found is None:
+    entry = _CROSSING.get(key)
+    if entry is None:
         ranks = (
             range(dist.get_world_size()) if group is None else dist.get_process_group_ranks(group)
         )
-        found = _CROSSING[key] = len({rank // per_node for rank in ranks}) > 1
-    return found
+        entry = _CROSSING[key] = (group, len({rank // per_node for rank in ranks}) > 1)
+    return bool(entry[1])
 
 
 def _caller_name() -> str:

@@ -153,6 +153,7 @@ def _write_model_weight(param: nn.Parameter, value: Tensor, fragment: ParamFragm
     if is_zero_param(param):
         piece = param.ds_tensor  # type: ignore[attr-defined]  # a ZeroParameter
         piece.copy_(value.reshape(-1)[fragment.param_slice].to(piece.dtype))
+        param.ds_tensor_written()  # type: ignore[attr-defined]  # hpZ: drop the stale secondary
     if param.untyped_storage().nbytes() > 0:
         param.data.copy_(value.view(param.shape))
 

@@ -189,7 +189,9 @@ class FlatShard:
     def _weight_spec(self, lossy: bool) -> QuantSpec | None:
         """The format a gather sends the shards in (None: as they are)."""
         zeropp = self.comm.zeropp
-        return INT8 if lossy and zeropp is not None and zeropp.quantized_weights else None
+        quantized = zeropp is not None and zeropp.quantized_weights
+        # integer, bool or complex parameters travel as they are: int8 codes would change them
+        return INT8 if lossy and quantized and self.full.is_floating_point() else None
 
     def _secondary_group(self) -> CommGroup | None:
         """hpZ's group of consecutive ranks (None: hpZ is off)."""
@@ -341,7 +343,11 @@ def pack_flat_shards(params: Sequence[nn.Parameter], comm_group: CommGroup) -> l
             offsets.append(total)
             total += param.numel()
         kind = QuantizedFlatShard if frozen else FlatShard
-        flats.append(kind(group, offsets, -(-total // world) * world, comm_group))
+        # frozen int8 shards: whole quantization blocks per rank, so a block covers the same
+        # elements at any world size and a checkpoint reloaded elsewhere re-quantizes to the
+        # same codes
+        pad = world * INT8.block if frozen else world
+        flats.append(kind(group, offsets, -(-total // pad) * pad, comm_group))
     return flats
 
 

@@ -125,6 +125,13 @@ class ZeroParameter(nn.Parameter):
         flat = next(f for f in unit.flats if f.holds(self))
         return flat.piece_of(self)
 
+    def ds_tensor_written(self) -> None:
+        """This rank's part was written (``safe_set_*``): copies made from the old values (hpZ's
+        secondary shard) are dropped, so the next gather sees the new ones."""
+        unit = self._record().unit
+        assert unit is not None
+        next(f for f in unit.flats if f.holds(self)).invalidate_secondary()
+
 
 def mark_partitioned(param: nn.Parameter) -> None:
     """Give ``param`` the ``ds_*`` views (see :class:`ZeroParameter`)."""

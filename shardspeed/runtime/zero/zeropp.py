@@ -106,8 +106,13 @@ def zeropp_comm(topology: ParallelTopology, zero: Any, data_parallel: CommGroup)
     if hpz > 1 and dp % hpz:
         raise ValueError(
             f"zero_optimization.zero_hpz_partition_size={hpz} must divide the data-parallel "
-            f"size ({dp}); choose one of {[d for d in range(2, dp + 1) if dp % d == 0]} (the "
-            "ranks of one node), or 1 to turn hpZ off"
+            f"size ({dp}); "
+            + (
+                f"choose one of {[d for d in range(2, dp + 1) if dp % d == 0]} (the ranks of one "
+                "node), or 1 to turn hpZ off"
+                if dp > 1
+                else "with one data-parallel rank there is nothing to partition: set it to 1"
+            )
         )
     if data_parallel.world_size != dp:
         raise NotImplementedError(
