@@ -36,21 +36,18 @@ def test_tiny_run_reports_every_mode() -> None:
         assert out[mode]["modelled_speedup_vs_zero0"]["at_gpu_ratio"] > 1, (mode, out[mode])
 
 
-ZEROPP = ["zeropp_hpz", "zeropp_qwz", "zeropp_qgz", "zeropp_all"]
-
-
 @pytest.mark.timeout(300)
 def test_tiny_zeropp_run_cuts_inter_node_bytes() -> None:
-    modes = ",".join(["zero3_adam", *ZEROPP])
+    # the three modes together against ZeRO-3 (each mode's bytes are tests/runtime/zeropp/'s)
+    modes = "zero3_adam,zeropp_all"
     out = tiny_run(
         "bench_comm_compression.py", 280, "--world", "4", "--node", "2", "--modes", modes
     )
     assert out["ranks_per_node"] == 2
-    zero3 = out["zero3_adam"]
+    zero3, zeropp = out["zero3_adam"], out["zeropp_all"]
     assert zero3["inter_node_bytes_per_step"] > 0
-    for mode in ZEROPP:
-        figures = out[mode]
-        assert math.isfinite(figures["final_loss"]), (mode, figures)
-        assert figures["inter_node_bytes_vs_zero3"] < 1, (mode, figures)
-    # hpZ's backward gathers stay in the node, qwZ sends int8, qgZ int4; together the least
-    assert out["zeropp_all"]["inter_node_bytes_vs_zero3"] < 0.35, out["zeropp_all"]
+    assert zero3["inter_node_bytes_vs_zero3"] == 1
+    assert math.isfinite(zeropp["final_loss"]), zeropp
+    # hpZ's backward gathers stay in the node, qwZ sends int8, qgZ int4
+    assert zeropp["inter_node_bytes_vs_zero3"] < 0.35, zeropp
+    assert zeropp["bus_bytes_per_step"] < zero3["bus_bytes_per_step"], zeropp
