@@ -38,6 +38,11 @@ from shardspeed.runtime.engine_parts import EngineParts, NoOptimizer
 from shardspeed.runtime.engine_queries import EngineQueries
 from shardspeed.runtime.engine_state import EngineStateVerbs
 from shardspeed.runtime.precision.autocast import autocast_if_enabled
+from shardspeed.runtime.progressive_layer_drop import (
+    ProgressiveLayerDrop,
+    build_progressive_layer_drop,
+    with_pld_state,
+)
 from shardspeed.runtime.zero.optimizer import ZeroOptimizer
 from shardspeed.runtime.zero_checkpoint import ZERO_FORMAT
 from shardspeed.utils.logging import log_dist
@@ -122,9 +127,14 @@ class DeepSpeedEngine(EngineQueries, EngineStateVerbs, ModuleAttributes, nn.Modu
         self._is_compiled = False
         #: a checkpoint being written in the background (``checkpoint.writer.decoupled``)
         self.pending_checkpoint: PendingSave | None = None
+        #: the progressive-layer-drop schedule (None unless ``progressive_layer_drop.enabled``)
+        self.progressive_layer_drop: ProgressiveLayerDrop | None = build_progressive_layer_drop(
+            parts.config
+        )
 
     # -- the training verbs -------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        kwargs = with_pld_state(self.progressive_layer_drop, self.module.training, kwargs)
         policy = self.precision
         with (
             self.observability.forward(inputs),
@@ -197,6 +207,10 @@ class DeepSpeedEngine(EngineQueries, EngineStateVerbs, ModuleAttributes, nn.Modu
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
             self._optim.require("step()")
+            if self.progressive_layer_drop is not None:
+                # DeepSpeed's order: the schedule takes the step count before this step
+                # counts, so the forwards of step t run with theta(t - 1) (1.0 for t = 0, 1)
+                self.progressive_layer_drop.update_state(self.global_steps)
             with self.observability.phase(STEP_GLOBAL_TIMER):
                 applied = self._optim.step()
                 if applied and self.lr_scheduler is not None:
@@ -254,6 +268,21 @@ class DeepSpeedEngine(EngineQueries, EngineStateVerbs, ModuleAttributes, nn.Modu
                 f"0 can step from (this engine runs stage {self.strategy.stage})"
             )
         self.strategy.backward_allreduce = bool(value)
+
+    # -- progressive layer drop ------------------------------------------------------------------
+    def get_pld_theta(self) -> float | None:
+        """The current PLD keep probability; None when progressive layer drop is off."""
+        pld = self.progressive_layer_drop
+        return pld.get_theta() if pld is not None else None
+
+    def pld_enabled(self) -> bool:
+        return bool(self._config.progressive_layer_drop.enabled)
+
+    def pld_theta(self) -> float:
+        return float(self._config.progressive_layer_drop.theta)
+
+    def pld_gamma(self) -> float:
+        return float(self._config.progressive_layer_drop.gamma)
 
     # -- accumulation boundary ------------------------------------------------------------------
     def is_gradient_accumulation_boundary(self) -> bool:

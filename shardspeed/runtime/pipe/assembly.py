@@ -1,7 +1,8 @@
 """What :func:`shardspeed.initialize` does differently for a :class:`~.module.PipelineModule`:
 the grid is the ``mpu``, the ``pipeline`` config section is checked against the module, ZeRO
-stages 2 and 3 are refused (a rule of :mod:`~shardspeed.runtime.zero.rules`), and the engine is a :class:`~.engine.PipelineEngine` whose
-optimizer takes the gradient norm over every stage."""
+stages 2 and 3 are refused (a rule of :mod:`~shardspeed.runtime.zero.rules`), so is progressive
+layer drop, and the engine is a :class:`~.engine.PipelineEngine` whose optimizer takes the
+gradient norm over every stage."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from shardspeed.config import DeepSpeedConfig
 from shardspeed.runtime.activation_checkpointing import checkpointing
 from shardspeed.runtime.engine_parts import EngineParts
 from shardspeed.runtime.pipe.module import PipelineModule
+from shardspeed.runtime.progressive_layer_drop import refuse_in_pipeline
 from shardspeed.runtime.zero.model_parallel_norm import model_parallel_reducer
 from shardspeed.runtime.zero.rules import check_zero_config
 from shardspeed.utils.logging import log_dist
@@ -29,6 +31,7 @@ def pipeline_mpu(model: PipelineModule, mpu: Any) -> Any:
 def check_pipeline_config(config: DeepSpeedConfig, model: PipelineModule) -> None:
     """Refuse what a pipeline cannot do and apply the ``pipeline`` section to the module."""
     check_zero_config(config, pipeline=True)
+    refuse_in_pipeline(config)
     section = config.pipeline
     if section.stages != "auto" and int(section.stages) != model.num_stages:
         raise ValueError(
