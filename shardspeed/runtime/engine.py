@@ -363,6 +363,10 @@ class DeepSpeedEngine(EngineQueries, EngineStateVerbs, ModuleAttributes, nn.Modu
             allow_unsafe_pickle=allow_unsafe_pickle,
         )
         self.state.open_window()
+        if self.progressive_layer_drop is not None and self.global_steps > 0:
+            # where the schedule stood when the checkpoint was saved (DeepSpeed restarts it at
+            # 1.0 until the next step), so a resumed run drops layers as an unbroken one does
+            self.progressive_layer_drop.update_state(self.global_steps - 1)
         return loaded
 
     def save_16bit_model(

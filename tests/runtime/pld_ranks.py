@@ -149,3 +149,25 @@ def pipeline_refuses_pld() -> str:
     except ValueError as error:
         return str(error)
     raise AssertionError("initialize accepted progressive_layer_drop with a PipelineModule")
+
+
+def resumed_theta(save_dir: str, theta: float, gamma: float, steps: int) -> dict[str, Any]:
+    """Train ``steps`` steps, save, load into a fresh engine: the PLD keywords of the next
+    training forward in the unbroken run and in the resumed one."""
+    config = _config(1, enabled=True, theta=theta, gamma=gamma)
+    model = KwargsRecorder()
+    engine, *_ = shardspeed.initialize(model=model, config=config)
+    for step in range(steps):
+        engine.backward(engine(*_batch(step)))
+        engine.step()
+    engine.save_checkpoint(save_dir, tag="pld")
+    engine(*_batch(steps))
+    unbroken = model.seen[-1]
+    engine.destroy()
+    fresh = KwargsRecorder()
+    resumed, *_ = shardspeed.initialize(model=fresh, config=config)
+    resumed.load_checkpoint(save_dir, tag="pld")
+    resumed(*_batch(steps))
+    result = {"unbroken": unbroken, "resumed": fresh.seen[-1], "steps": resumed.global_steps}
+    resumed.destroy()
+    return result

@@ -119,3 +119,13 @@ def test_model_drops_layers_at_the_documented_rate(dist_pool) -> None:
 def test_pipeline_refuses_pld(dist_pool) -> None:
     (message,) = dist_pool(1).run(pld_ranks.pipeline_refuses_pld)
     assert "progressive_layer_drop.enabled" in message and "PipelineModule" in message
+
+
+@pytest.mark.timeout(240)
+def test_resumed_run_continues_the_schedule(dist_pool, tmp_path) -> None:
+    theta, gamma, steps = 0.5, 0.1, 4
+    (result,) = dist_pool(1).run(pld_ranks.resumed_theta, str(tmp_path), theta, gamma, steps)
+    assert result["steps"] == steps
+    expected = {"progressive_layer_drop": True, "pld_theta": _theta(theta, gamma, steps - 1)}
+    assert result["unbroken"] == expected
+    assert result["resumed"] == expected
