@@ -255,7 +255,7 @@ def test_engine_without_layer_settings_is_rejected() -> None:
         _engine({"enabled": True})
 
 
-def _stage_estimate(stage: int) -> list[float]:
+def _stage_estimate(stage: int, half: bool = False) -> list[float]:
     torch.manual_seed(0)
     config = {
         "train_micro_batch_size_per_gpu": 16,
@@ -264,9 +264,14 @@ def _stage_estimate(stage: int) -> list[float]:
         "zero_optimization": {"stage": stage},
         "eigenvalue": {"enabled": True, "layer_name": "encoder.layer", "layer_num": 2},
     }
+    if half:  # fp16 with a loss scale of 256: the gradients carry it, the estimate must not
+        config["fp16"] = {"enabled": True, "initial_scale_power": 8}
     engine, *_ = shardspeed.initialize(model=Net(), config=config)
     for micro in range(2):
-        engine.backward(engine(*_data(micro)))
+        x, y = _data(micro)
+        if half:
+            x, y = x.half(), y.half()
+        engine.backward(engine(x, y))
         engine.step()
     raw = list(engine.eigenvalue.raw_eigenvalues)
     engine.destroy()
@@ -280,3 +285,7 @@ def test_every_zero_stage_measures_the_same_blocks() -> None:
     assert all(v != 0.0 for v in stage0)
     for stage in (1, 2, 3):
         assert _stage_estimate(stage) == pytest.approx(stage0, rel=1e-5), stage
+
+
+def test_fp16_loss_scale_is_divided_out_in_the_engine() -> None:
+    assert _stage_estimate(0, half=True) == pytest.approx(_stage_estimate(0), rel=1e-2)
