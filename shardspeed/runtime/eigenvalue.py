@@ -4,8 +4,12 @@ For each of the first ``layer_num`` blocks of the layer list at ``layer_name`` (
 from the model, e.g. ``bert.encoder.layer``), :meth:`Eigenvalue.compute_eigenvalue` estimates the
 largest-magnitude eigenvalue of the Hessian of the loss with respect to that block's parameters.
 Each power-iteration step is one Hessian-vector product: the gradient of ``<grad, v>``, taken
-through the graph that ``backward(create_graph=True)`` left on the parameters' ``.grad``; the
-engine runs its backward that way when the section is enabled.
+through the gradients' own graph. Called directly (DeepSpeed's way), those are the ``.grad``
+that ``loss.backward(create_graph=True)`` left. In the engine, :meth:`Eigenvalue.collect` takes
+them with ``torch.autograd.grad(create_graph=True)`` before each backward of a window whose
+boundary computes (the ZeRO gradient buffers copy ``.grad`` in place, which would cut the
+graph); the engine's backward then retains its graph, and :meth:`Eigenvalue.at_boundary`
+measures before the optimizer step and frees them.
 
 What it returns is DeepSpeed's: ``{id(param): (value, block index)}`` for every parameter of
 each measured block, where the values are the block estimates' magnitudes divided by the largest
