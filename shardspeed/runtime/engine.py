@@ -31,6 +31,7 @@ from shardspeed.runtime import checkpointer
 from shardspeed.runtime.checkpoint_format import CheckpointFormat
 from shardspeed.runtime.checkpoint_writer import PendingSave
 from shardspeed.runtime.dataloader import DeepSpeedDataLoader, build_dataloader
+from shardspeed.runtime.eigenvalue import Eigenvalue
 from shardspeed.runtime.engine_accumulation import AccumulationWindow
 from shardspeed.runtime.engine_attributes import ModuleAttributes
 from shardspeed.runtime.engine_checks import checkpoint_dir
@@ -131,6 +132,9 @@ class DeepSpeedEngine(EngineQueries, EngineStateVerbs, ModuleAttributes, nn.Modu
         self.progressive_layer_drop: ProgressiveLayerDrop | None = build_progressive_layer_drop(
             parts.config
         )
+        #: per-block Hessian eigenvalues (``eigenvalue`` section; None when off) and the last ones
+        self.eigenvalue = Eigenvalue.from_config(self._config.eigenvalue)
+        self.block_eigenvalue: dict[int, tuple[float, int]] = {}
 
     # -- the training verbs -------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -195,7 +199,10 @@ class DeepSpeedEngine(EngineQueries, EngineStateVerbs, ModuleAttributes, nn.Modu
                 loss = loss / gas
             self.strategy.begin_backward(reduce=self.accumulation.reduces(gas))
             with self.observability.phase(BACKWARD_INNER_GLOBAL_TIMER):
-                self._optim.scale_loss(loss).backward(retain_graph=retain_graph)
+                scaled = self._optim.scale_loss(loss)
+                # eigenvalue differentiates the gradients again: their graph must outlive this
+                keep = self.eigenvalue is not None and self.eigenvalue.collect(self.module, scaled)
+                scaled.backward(retain_graph=retain_graph or keep)
             with self.observability.phase(BACKWARD_REDUCE_GLOBAL_TIMER):
                 self.strategy.end_backward()
         return loss
@@ -211,11 +218,16 @@ class DeepSpeedEngine(EngineQueries, EngineStateVerbs, ModuleAttributes, nn.Modu
                 # DeepSpeed's order: the schedule takes the step count before this step
                 # counts, so the forwards of step t run with theta(t - 1) (1.0 for t = 0, 1)
                 self.progressive_layer_drop.update_state(self.global_steps)
+            if self.eigenvalue is not None:  # before the step changes the weights
+                found = self.eigenvalue.at_boundary(self.module, self.device, self.loss_scale)
+                self.block_eigenvalue = found if found is not None else self.block_eigenvalue
             with self.observability.phase(STEP_GLOBAL_TIMER):
                 applied = self._optim.step()
                 if applied and self.lr_scheduler is not None:
                     self.lr_scheduler.step(**(lr_kwargs or {}))
             self.state.end_optimizer_step(applied, self.train_batch_size())
+            if self.eigenvalue is not None:
+                self.observability.monitor.write_events(self.eigenvalue.events(self.global_samples))
             self._report_progress()
         self.state.end_micro_step()
         self.observability.after_step(boundary, self.get_lr(), self.loss_scale)
