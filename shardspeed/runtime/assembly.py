@@ -167,15 +167,14 @@ def strategy_context(
         shard_over = mics_comm(topology, int(zero.mics_shard_size))
     if zero.stage == 3 and asks_zeropp(zero):
         if comm_for is not None or shard_over is not None:
+            other, remove = (
+                ("MiCS (mics_shard_size)", "mics_shard_size")
+                if shard_over is not None
+                else ("Mixture-of-Experts layers", "the MoE layers")
+            )
             raise NotImplementedError(
-                "ZeRO++ (zero_hpz_partition_size / zero_quantized_*) with "
-                + (
-                    "MiCS (mics_shard_size)"
-                    if shard_over is not None
-                    else "Mixture-of-Experts layers"
-                )
-                + " is not supported in shardspeed; remove the ZeRO++ keys or "
-                + ("mics_shard_size" if shard_over is not None else "the MoE layers")
+                f"ZeRO++ (zero_hpz_partition_size / zero_quantized_*) with {other} is not "
+                f"supported in shardspeed; remove the ZeRO++ keys or {remove}"
             )
         shard_over = zeropp_comm(topology, zero, dp)
     return StrategyContext(

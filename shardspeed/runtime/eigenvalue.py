@@ -171,8 +171,12 @@ class Eigenvalue:
             return None
         generator = torch.Generator().manual_seed(_START_SEED)
         start = [torch.randn(p.shape, generator=generator) for p in params]
-        v = self.normalize([s.to(device if device is not None else p.device) for s, p in
-                            zip(start, params, strict=True)])  # fmt: skip
+        v = self.normalize(
+            [
+                s.to(p.device if device is None else device)
+                for s, p in zip(start, params, strict=True)
+            ]
+        )
         current, previous, steps = 1.0, 0.0, 0
         while not self._converged(current, previous, steps):
             previous = current

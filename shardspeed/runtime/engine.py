@@ -220,7 +220,8 @@ class DeepSpeedEngine(EngineQueries, EngineStateVerbs, ModuleAttributes, nn.Modu
                 self.progressive_layer_drop.update_state(self.global_steps)
             if self.eigenvalue is not None:  # before the step changes the weights
                 found = self.eigenvalue.at_boundary(self.module, self.device, self.loss_scale)
-                self.block_eigenvalue = found if found is not None else self.block_eigenvalue
+                if found is not None:
+                    self.block_eigenvalue = found
             with self.observability.phase(STEP_GLOBAL_TIMER):
                 applied = self._optim.step()
                 if applied and self.lr_scheduler is not None:
@@ -286,15 +287,6 @@ class DeepSpeedEngine(EngineQueries, EngineStateVerbs, ModuleAttributes, nn.Modu
         """The current PLD keep probability; None when progressive layer drop is off."""
         pld = self.progressive_layer_drop
         return pld.get_theta() if pld is not None else None
-
-    def pld_enabled(self) -> bool:
-        return bool(self._config.progressive_layer_drop.enabled)
-
-    def pld_theta(self) -> float:
-        return float(self._config.progressive_layer_drop.theta)
-
-    def pld_gamma(self) -> float:
-        return float(self._config.progressive_layer_drop.gamma)
 
     # -- accumulation boundary ------------------------------------------------------------------
     def is_gradient_accumulation_boundary(self) -> bool:

@@ -103,3 +103,12 @@ class EngineQueries:
 
     def bfloat16_enabled(self) -> bool:
         return bool(self._config.bf16.enabled)
+
+    def pld_enabled(self) -> bool:
+        return bool(self._config.progressive_layer_drop.enabled)
+
+    def pld_theta(self) -> float:
+        return float(self._config.progressive_layer_drop.theta)
+
+    def pld_gamma(self) -> float:
+        return float(self._config.progressive_layer_drop.gamma)

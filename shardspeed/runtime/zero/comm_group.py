@@ -10,7 +10,7 @@ hierarchical collectives (ZeRO++) are the same four verbs on another group.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +18,7 @@ import torch
 
 from shardspeed import comm
 from shardspeed.comm import ProcessGroup
+from shardspeed.comm.instrument import DeferredWork
 from shardspeed.runtime.comm.quantize import QuantSpec, dequantize, quantize
 from shardspeed.runtime.comm.quantized_reduce import ErrorFeedback, Level, quantized_reduce_scatter
 
@@ -132,7 +133,7 @@ class CommGroup:
         if not async_op:
             unpack()
             return None
-        return _ThenWork(work, unpack)
+        return DeferredWork(work, unpack)
 
     def all_reduce(self, tensor: torch.Tensor, op: Any = None, async_op: bool = False) -> Any:
         """Reduce ``tensor`` in place over the group (sum by default)."""
@@ -153,7 +154,7 @@ class CommGroup:
         ``key`` (a name stable across steps, e.g. the gradient bucket's index)."""
         if self.zeropp is not None and self.zeropp.quantized_gradients:
             self._quantized_reduce_scatter(output, source, key)
-            work: Any = _Done() if async_op else None
+            work: Any = DeferredWork(None) if async_op else None  # ran to completion
         else:
             work = comm.reduce_scatter_tensor(output, source, group=self.group, async_op=async_op)
         replicas = self.replicated_over
@@ -162,7 +163,7 @@ class CommGroup:
         if not async_op:
             replicas.all_reduce(output)
             return None
-        return _ThenWork(work, lambda: replicas.all_reduce(output))
+        return DeferredWork(work, lambda: replicas.all_reduce(output))
 
     def _quantized_reduce_scatter(
         self, output: torch.Tensor, source: torch.Tensor, key: Hashable | None
@@ -187,22 +188,3 @@ class CommGroup:
                     zeropp.loco.err_beta, zeropp.loco.reset_t
                 )
         quantized_reduce_scatter(output, source, levels, feedback=feedback)
-
-
-class _Done:
-    """The handle of a collective that already ran to completion."""
-
-    def wait(self) -> bool:
-        return True
-
-
-class _ThenWork:
-    """A collective's work handle whose :meth:`wait` also runs what must follow it."""
-
-    def __init__(self, work: Any, then: Callable[[], Any]) -> None:
-        self.work, self.then = work, then
-
-    def wait(self) -> bool:
-        self.work.wait()
-        self.then()
-        return True

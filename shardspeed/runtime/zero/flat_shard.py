@@ -289,13 +289,15 @@ class FlatShard:
 
     def piece_of(self, param: torch.Tensor) -> torch.Tensor:
         """The part of this rank's shard that holds elements of ``param`` (1-D, maybe empty)."""
+        return self.shard[self._piece_slice(param)]
+
+    def _piece_slice(self, param: torch.Tensor) -> slice:
+        """Where ``param``'s elements sit in this rank's chunk (empty if none do)."""
         index = next(i for i, p in enumerate(self.params) if p is param)
         start, stop = self.offsets[index], self.offsets[index] + param.numel()
         own = self.chunk_slice
         lo, hi = max(start, own.start), min(stop, own.stop)
-        if lo >= hi:
-            return self.shard[:0]
-        return self.shard[lo - own.start : hi - own.start]
+        return slice(lo - own.start, hi - own.start) if lo < hi else slice(0, 0)
 
     @torch.no_grad()
     def keep_full_values(self) -> None:

@@ -181,11 +181,10 @@ class Init:
         self.enabled = enabled
         if not enabled:
             return
-        # ZeRO++'s quantized weights: accepted; the gathers made while building stay exact
-        # (rank 0's initial values must reach every rank unchanged), and the engine's
-        # zero_optimization section decides how training gathers and stores the weights
-        self.zero_quantized_weights = bool(zero_quantized_weights)
-        self.zero_quantized_nontrainable_weights = bool(zero_quantized_nontrainable_weights)
+        # ZeRO++'s quantized weights: accepted and not needed here; the gathers made while
+        # building stay exact (rank 0's initial values must reach every rank unchanged), and
+        # the engine's zero_optimization section decides how training gathers and stores them
+        del zero_quantized_weights, zero_quantized_nontrainable_weights
         if zero_param_parallel_group is not None or param_swapper is not None:
             raise NotImplementedError(
                 "zero.Init(zero_param_parallel_group / param_swapper) (hpZ, NVMe offload) is "

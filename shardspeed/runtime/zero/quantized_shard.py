@@ -75,10 +75,7 @@ class QuantizedFlatShard(FlatShard):
     def piece_of(self, param: torch.Tensor) -> torch.Tensor:
         """The dequantized elements of ``param`` in this rank's chunk (a copy: writing it
         does not change the stored payload)."""
-        index = next(i for i, p in enumerate(self.params) if p is param)
-        start, stop = self.offsets[index], self.offsets[index] + param.numel()
-        own = self.chunk_slice
-        lo, hi = max(start, own.start), min(stop, own.stop)
-        if lo >= hi:
+        piece = self._piece_slice(param)
+        if piece.start == piece.stop:
             return self.full.new_empty(0)
-        return self.values()[lo - own.start : hi - own.start]
+        return self.values()[piece]

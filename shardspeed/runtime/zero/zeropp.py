@@ -126,10 +126,8 @@ def zeropp_comm(topology: ParallelTopology, zero: Any, data_parallel: CommGroup)
         grid = topology.with_dp_shard(node)
         local = CommGroup.of(grid.group("dp_shard"))
         cross = CommGroup.of(grid.group("dp_replicate"))
-        if hpz > 1:
-            secondary = local
-    elif hpz > 1:  # one node holds every rank: the secondary shard is the primary one
-        secondary = None
+        # (on one node hpZ has nothing to do: the secondary shard would be the primary one)
+        secondary = local if hpz > 1 else None
     raw_loco = zero.zeropp_loco_param
     loco = LocoSettings.parse(raw_loco) if raw_loco is not None else None
     settings = ZeroPP(
