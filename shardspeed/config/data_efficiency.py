@@ -158,9 +158,7 @@ class DataSamplingConfig(DeepSpeedConfigModel):
     num_workers: int = Field(default=0, ge=0)
     """DataLoader workers of the curriculum loader."""
     pin_memory: bool = False
-    curriculum_learning: CurriculumLearningConfig = Field(
-        default_factory=CurriculumLearningConfig
-    )
+    curriculum_learning: CurriculumLearningConfig = Field(default_factory=CurriculumLearningConfig)
     dynamic_batching: dict[str, Any] | None = None
     """Accepted; shardspeed does not do dynamic batching (see the README)."""
 

@@ -30,8 +30,8 @@ from shardspeed.comm.parallel_topology import current_topology
 from shardspeed.runtime import checkpointer
 from shardspeed.runtime.checkpoint_format import CheckpointFormat
 from shardspeed.runtime.checkpoint_writer import PendingSave
-from shardspeed.runtime.dataloader import DeepSpeedDataLoader, build_dataloader
 from shardspeed.runtime.data_pipeline.engine_hooks import DataEfficiencyHooks
+from shardspeed.runtime.dataloader import DeepSpeedDataLoader, build_dataloader
 from shardspeed.runtime.eigenvalue import Eigenvalue
 from shardspeed.runtime.engine_accumulation import AccumulationWindow
 from shardspeed.runtime.engine_attributes import ModuleAttributes

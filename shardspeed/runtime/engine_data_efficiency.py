@@ -19,6 +19,7 @@ class EngineDataEfficiency:
 
     _config: Any
     module: Any
+    strategy: Any
     training_dataloader: Any
     data_efficiency: DataEfficiencyHooks
 
@@ -37,6 +38,8 @@ class EngineDataEfficiency:
         """Configure the wrapped layers ``random_ltd_layer_id`` names (called by
         ``convert_to_random_ltd(engine, layer_class)``)."""
         self.data_efficiency.random_ltd_initialize(self.module)
+        # the wrappers renamed the wrapped layers' parameters (``x.random_ltd_layer.w``)
+        self.strategy.registry.rename(self.module)
 
     def set_custom_curriculum_learning_schedule(
         self, schedule_func_dict: dict[str, Callable[[int], Any]]

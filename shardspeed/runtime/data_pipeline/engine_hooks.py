@@ -23,6 +23,7 @@ from torch import nn
 from shardspeed.runtime.data_pipeline.curriculum_scheduler import CurriculumScheduler
 from shardspeed.runtime.data_pipeline.data_routing.basic_layer import RandomLayerTokenDrop
 from shardspeed.runtime.data_pipeline.data_routing.scheduler import RandomLTDScheduler
+from shardspeed.runtime.data_pipeline.data_sampling.data_sampler import DeepSpeedDataSampler
 
 __all__ = ["DataEfficiencyHooks"]
 
@@ -113,7 +114,9 @@ class DataEfficiencyHooks:
             "random_ltd": None
             if self.random_ltd_scheduler is None
             else self.random_ltd_scheduler.state_dict(),
-            "data_sampler": sampler.state_dict() if _is_curriculum(sampler) else None,
+            "data_sampler": sampler.state_dict()
+            if isinstance(sampler, DeepSpeedDataSampler)
+            else None,
             LEGACY_KEY: None if legacy is None else legacy.state_dict(),
         }
 
@@ -122,14 +125,8 @@ class DataEfficiencyHooks:
         if self.random_ltd_scheduler is not None and state.get("random_ltd"):
             self.random_ltd_scheduler.load_state_dict(state["random_ltd"])
         sampler = getattr(loader, "data_sampler", None)
-        if _is_curriculum(sampler) and state.get("data_sampler"):
+        if isinstance(sampler, DeepSpeedDataSampler) and state.get("data_sampler"):
             sampler.load_state_dict(state["data_sampler"])
         legacy = self.curriculum_scheduler_legacy
         if legacy is not None and state.get(LEGACY_KEY):
             legacy.load_state_dict(state[LEGACY_KEY])
-
-
-def _is_curriculum(sampler: Any) -> bool:
-    from shardspeed.runtime.data_pipeline.data_sampling.data_sampler import DeepSpeedDataSampler
-
-    return isinstance(sampler, DeepSpeedDataSampler)

@@ -13,7 +13,12 @@ from shardspeed.runtime.data_pipeline.curriculum_scheduler import CurriculumSche
 
 def _scheduler(kind: str, low: int = 8, high: int = 64, **sched: Any) -> CurriculumScheduler:
     return CurriculumScheduler(
-        {"min_difficulty": low, "max_difficulty": high, "schedule_type": kind, "schedule_config": sched}
+        {
+            "min_difficulty": low,
+            "max_difficulty": high,
+            "schedule_type": kind,
+            "schedule_config": sched,
+        }
     )
 
 
@@ -47,7 +52,18 @@ def test_custom_uses_the_given_function() -> None:
     with pytest.raises(RuntimeError, match="set_custom_get_difficulty"):
         sched.get_difficulty(1)
     sched.set_custom_get_difficulty(lambda step: 8 * (step + 1))
-    assert [sched.update_difficulty(t) for t in range(10)] == [8, 16, 24, 32, 40, 48, 56, 64, 64, 64]
+    assert [sched.update_difficulty(t) for t in range(10)] == [
+        8,
+        16,
+        24,
+        32,
+        40,
+        48,
+        56,
+        64,
+        64,
+        64,
+    ]
 
 
 @pytest.mark.parametrize("kind", ["fixed_linear", "fixed_root"])
@@ -61,8 +77,18 @@ def test_never_below_min_and_always_a_multiple(kind: str, low: int, dstep: int) 
 
 
 def test_first_is_the_aligned_min_and_last_the_max() -> None:
-    assert _scheduler("fixed_linear", 8, 1024, total_curriculum_step=100, difficulty_step=16).get_difficulty(0) == 16
-    assert _scheduler("fixed_linear", 16, 1000, total_curriculum_step=100, difficulty_step=16).get_difficulty(200) == 1000
+    assert (
+        _scheduler(
+            "fixed_linear", 8, 1024, total_curriculum_step=100, difficulty_step=16
+        ).get_difficulty(0)
+        == 16
+    )
+    assert (
+        _scheduler(
+            "fixed_linear", 16, 1000, total_curriculum_step=100, difficulty_step=16
+        ).get_difficulty(200)
+        == 1000
+    )
 
 
 def test_update_stops_at_max_and_state_round_trips() -> None:
@@ -82,13 +108,21 @@ def test_update_stops_at_max_and_state_round_trips() -> None:
     [
         ({"max_difficulty": 8, "schedule_type": "fixed_linear"}, "min_difficulty"),
         (
-            {"min_difficulty": 1, "max_difficulty": 8, "schedule_type": "fixed_root",
-             "schedule_config": {"total_curriculum_step": 2, "difficulty_step": 1}},
+            {
+                "min_difficulty": 1,
+                "max_difficulty": 8,
+                "schedule_type": "fixed_root",
+                "schedule_config": {"total_curriculum_step": 2, "difficulty_step": 1},
+            },
             "root_degree",
         ),
         (
-            {"min_difficulty": 1, "max_difficulty": 8, "schedule_type": "fixed_discrete",
-             "schedule_config": {"difficulty": [1, 2], "max_step": [1, 2]}},
+            {
+                "min_difficulty": 1,
+                "max_difficulty": 8,
+                "schedule_type": "fixed_discrete",
+                "schedule_config": {"difficulty": [1, 2], "max_step": [1, 2]},
+            },
             "difficulty",
         ),
     ],

@@ -73,10 +73,15 @@ def test_state_round_trips() -> None:
 
 def test_layer_token_lr_schedule_is_refused() -> None:
     config = {
-        "total_layer_num": 2, "random_ltd_layer_num": 1, "global_batch_size": 1,
+        "total_layer_num": 2,
+        "random_ltd_layer_num": 1,
+        "global_batch_size": 1,
         "layer_token_lr_schedule": {"enabled": True},
-        "random_ltd_schedule": {"min_value": 8, "max_value": 16,
-                                "schedule_config": {"require_steps": 2, "seq_per_step": 8}},
+        "random_ltd_schedule": {
+            "min_value": 8,
+            "max_value": 16,
+            "schedule_config": {"require_steps": 2, "seq_per_step": 8},
+        },
     }
     with pytest.raises(NotImplementedError, match="layer_token_lr_schedule"):
         RandomLTDScheduler(config)

@@ -71,7 +71,9 @@ class RandomLayerTokenDrop(nn.Module):
         part = bsh.gather(1, index)
         if self.mask_name is not None and kwargs.get(self.mask_name) is not None:
             kwargs[self.mask_name] = _cut_mask(kwargs[self.mask_name], kept, seq_len)
-        outputs = self.random_ltd_layer(part if self.batch_first else part.transpose(0, 1), *args, **kwargs)
+        outputs = self.random_ltd_layer(
+            part if self.batch_first else part.transpose(0, 1), *args, **kwargs
+        )
         first = outputs[0] if isinstance(outputs, tuple) else outputs
         if not isinstance(first, torch.Tensor):
             raise TypeError(
@@ -105,6 +107,8 @@ def _cut_mask(mask: torch.Tensor, kept: torch.Tensor, seq_len: int) -> torch.Ten
             continue
         shape = [batch] + [1] * (mask.dim() - 1)
         shape[dim] = kept.size(1)
-        index = kept.reshape(shape).expand(*[mask.size(i) if i != dim else kept.size(1) for i in range(mask.dim())])
+        index = kept.reshape(shape).expand(
+            *[mask.size(i) if i != dim else kept.size(1) for i in range(mask.dim())]
+        )
         mask = mask.gather(dim, index)
     return mask

@@ -22,8 +22,10 @@ def convert_to_random_ltd(model: Any, convert_type: type[nn.Module]) -> Any:
     root: nn.Module = model.module if hasattr(model, "module") else model
     chosen: list[str] = []
     for name, module in root.named_modules():
-        if isinstance(module, convert_type) and name and not any(
-            name.startswith(outer + ".") for outer in chosen
+        if (
+            isinstance(module, convert_type)
+            and name
+            and not any(name.startswith(outer + ".") for outer in chosen)
         ):
             chosen.append(name)
     for name in chosen:

@@ -104,8 +104,9 @@ class DataAnalyzer:
             part = self._folder(name) / f"worker{self.worker_id}_{name}"
             dtype = self.metric_dtypes[m]
             if self.metric_types[m] == "single_value_per_sample":
-                row = np.concatenate([v.reshape(-1) for v in values[m]]) if values[m] else []
-                write_indexed_dataset(part, [np.asarray(row)], dtype)
+                rows = [v.reshape(-1) for v in values[m]]
+                row = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
+                write_indexed_dataset(part, [row], dtype)
             else:
                 total = np.sum(np.stack(values[m]), axis=0) if values[m] else np.zeros(0)
                 write_indexed_dataset(part, [total], dtype)
@@ -120,7 +121,8 @@ class DataAnalyzer:
                 for w in range(self.num_workers)
             ]
             if self.metric_types[m] == "accumulate_value_over_samples":
-                write_indexed_dataset(folder / f"{name}_metric_value", [sum(parts)], dtype)
+                total = np.sum(np.stack(parts), axis=0)
+                write_indexed_dataset(folder / f"{name}_metric_value", [total], dtype)
                 continue
             metric = np.concatenate(parts)
             write_index_files(folder, name, metric, dtype)
@@ -142,7 +144,9 @@ def write_index_files(folder: Path, name: str, metric: np.ndarray, dtype: Any) -
     order = np.argsort(metric, kind="stable")
     values, starts = np.unique(metric[order], return_index=True)
     rows = np.split(ids[order], starts[1:])
-    write_indexed_dataset(folder / f"{name}_index_to_metric", [np.array([v]) for v in values], dtype)
+    write_indexed_dataset(
+        folder / f"{name}_index_to_metric", [np.array([v]) for v in values], dtype
+    )
     write_indexed_dataset(folder / f"{name}_index_to_sample", rows, np.int64)
     merged = np.array_split(ids[order], min(PERCENTILE_ROWS, max(len(ids), 1)))
     write_indexed_dataset(folder / f"{name}_index_to_sample_percentile_merged", merged, np.int64)

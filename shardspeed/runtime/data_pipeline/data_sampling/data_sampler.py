@@ -66,7 +66,9 @@ class DeepSpeedDataSampler:
         self.data_parallel_rank = data_parallel_rank
         self.data_parallel_size = data_parallel_size
         self.micro_batch_times_data_parallel_size = micro_batch_size * data_parallel_size
-        self.global_batch_size = self.micro_batch_times_data_parallel_size * gradient_accumulation_steps
+        self.global_batch_size = (
+            self.micro_batch_times_data_parallel_size * gradient_accumulation_steps
+        )
         self.drop_last = drop_last
         self.generator = torch.Generator().manual_seed(config.seed)
         self.batch: list[int] = []
@@ -120,11 +122,10 @@ class DeepSpeedDataSampler:
         else:  # the first `difficulty` percentiles of the samples in metric order
             ordered = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
             assert metric.max_difficulty is not None
-            if difficulty >= metric.max_difficulty:
-                picked = [ordered]
-            else:
-                per = len(ordered) // metric.max_difficulty
-                picked = [ordered[: per * int(difficulty)]]
+            # floor(N * p / max) samples: DeepSpeed's (N // max) * p admits none at all
+            # while N < max (a 60-sample set with percentiles 1..100)
+            count = len(ordered) * min(int(difficulty), metric.max_difficulty)
+            picked = [ordered[: count // metric.max_difficulty]]
         return np.unique(np.concatenate(picked)) if picked else np.zeros(0, dtype=np.int64)
 
     def _new_cluster(self) -> None:
