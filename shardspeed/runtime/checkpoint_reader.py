@@ -126,6 +126,7 @@ def read_checkpoint(
     ):
         engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
     engine.state.load_state_dict(state)
+    engine.load_data_efficiency_state(state)
     reserved = fmt.reserved | {PLAN_KEY}
     client_state = {k: v for k, v in state.items() if k not in reserved}
     return LoadedCheckpoint(str(path), client_state, plan)

@@ -109,6 +109,15 @@ def build_dataloader(
     ``batch_size`` (default: the config's micro-batch)."""
     from shardspeed import comm  # the loader itself needs no communication
 
+    efficiency = getattr(config, "data_efficiency", None)
+    if data_sampler is None and efficiency is not None and efficiency.curriculum_enabled:
+        # data_efficiency curriculum learning: batches within the scheduled difficulty
+        from shardspeed.runtime.data_pipeline.data_sampling.curriculum_loader import (
+            build_curriculum_loader,
+        )
+
+        size = batch_size or config.train_micro_batch_size_per_gpu
+        return build_curriculum_loader(dataset, config, dp_world_size, dp_rank, size, collate_fn)
     return DeepSpeedDataLoader(
         dataset,
         batch_size=batch_size or config.train_micro_batch_size_per_gpu,

@@ -30,11 +30,13 @@ from shardspeed.comm.parallel_topology import current_topology
 from shardspeed.runtime import checkpointer
 from shardspeed.runtime.checkpoint_format import CheckpointFormat
 from shardspeed.runtime.checkpoint_writer import PendingSave
+from shardspeed.runtime.data_pipeline.engine_hooks import DataEfficiencyHooks
 from shardspeed.runtime.dataloader import DeepSpeedDataLoader, build_dataloader
 from shardspeed.runtime.eigenvalue import Eigenvalue
 from shardspeed.runtime.engine_accumulation import AccumulationWindow
 from shardspeed.runtime.engine_attributes import ModuleAttributes
 from shardspeed.runtime.engine_checks import checkpoint_dir
+from shardspeed.runtime.engine_data_efficiency import EngineDataEfficiency
 from shardspeed.runtime.engine_parts import EngineParts, NoOptimizer
 from shardspeed.runtime.engine_queries import EngineQueries
 from shardspeed.runtime.engine_state import EngineStateVerbs
@@ -70,7 +72,9 @@ def _counter(name: str) -> property:
     return property(get, set_, doc=f"The step counter ``{name}``.")
 
 
-class DeepSpeedEngine(EngineQueries, EngineStateVerbs, ModuleAttributes, nn.Module):
+class DeepSpeedEngine(
+    EngineQueries, EngineStateVerbs, EngineDataEfficiency, ModuleAttributes, nn.Module
+):
     """Wraps a model for distributed training; returned by :func:`shardspeed.initialize`.
     Attributes it lacks are the wrapped model's (``engine.moe_1`` is ``engine.module.moe_1``)."""
 
@@ -135,10 +139,17 @@ class DeepSpeedEngine(EngineQueries, EngineStateVerbs, ModuleAttributes, nn.Modu
         #: per-block Hessian eigenvalues (``eigenvalue`` section; None when off) and the last ones
         self.eigenvalue = Eigenvalue.from_config(self._config.eigenvalue)
         self.block_eigenvalue: dict[int, tuple[float, int]] = {}
+        #: curriculum schedules and random-LTD (``data_efficiency``, legacy ``curriculum_learning``)
+        self.data_efficiency = DataEfficiencyHooks(
+            parts.config, self.train_batch_size(), self.train_micro_batch_size_per_gpu()
+        )
 
     # -- the training verbs -------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         kwargs = with_pld_state(self.progressive_layer_drop, self.module.training, kwargs)
+        kwargs = self.data_efficiency.forward_kwargs(
+            self.module, self.module.training, self.global_steps, kwargs
+        )
         policy = self.precision
         with (
             self.observability.forward(inputs),

@@ -65,6 +65,7 @@ _DEEPSPEED_KEYS = (
     "mp_world_size",
     "data_sampler",
     "random_ltd",
+    "curriculum_scheduler_legacy",
     "sparse_tensor_module_names",
 )
 
@@ -153,6 +154,7 @@ class ZeroFormat(PlannedFormat["DeepSpeedEngine"]):
             "ds_config": engine.config.raw,
             "ds_version": __version__,
             **engine.state.state_dict(),
+            **engine.data_efficiency_state(),
             **client_state,
         }
         rank_shard = strategy.checkpoint_shard_name()

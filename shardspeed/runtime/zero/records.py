@@ -137,6 +137,14 @@ class ParamRegistry:
     def __contains__(self, param: object) -> bool:
         return id(param) in self._by_id
 
+    def rename(self, module: nn.Module) -> None:
+        """Re-read each parameter's name from ``module``: a wrapper inserted after the engine
+        was built (random-LTD's ``convert_to_random_ltd``) moves parameters to new names."""
+        for name, param in module.named_parameters():
+            record = self._by_id.get(id(param))
+            if record is not None:
+                record.name = name
+
     def names(self) -> dict[int, str]:
         """Each parameter's name by ``id`` (how layouts and error messages name parameters)."""
         return {id(r.param): r.name for r in self.records}

@@ -1,0 +1,1 @@
+"""Data routing: random layerwise token dropping (random-LTD)."""

@@ -1,0 +1,1 @@
+"""Data sampling: the curriculum sampler and the data analyzer that indexes its metrics."""
