@@ -1,7 +1,7 @@
 """``RootConfig``: every top-level key of a DeepSpeed training config, validated as one model.
 
 Sections with a known schema are models; sections whose contents DeepSpeed treats as free-form
-(or that shardspeed does not model yet: ``compression_training``, ``data_efficiency``,
+(or that shardspeed does not model yet: ``data_efficiency``,
 ``curriculum_learning``, ``weight_quantization``, ``quantize_training``, ``datastates``) are
 plain dicts, so later features can consume them.
 """
@@ -20,6 +20,7 @@ from shardspeed.config.autotuning import DeepSpeedAutotuningConfig
 from shardspeed.config.base import DeepSpeedConfigModel
 from shardspeed.config.checkpoint import CheckpointConfig, DeepSpeedNebulaConfig
 from shardspeed.config.comms import DeepSpeedCommsConfig
+from shardspeed.config.compression import CompressionTrainingConfig
 from shardspeed.config.deepcompile import CompileConfig
 from shardspeed.config.deprecation import DeprecatedKey
 from shardspeed.config.eigenvalue import EigenvalueConfig
@@ -199,7 +200,8 @@ class RootConfig(DeepSpeedConfigModel):
     hybrid_engine: HybridEngineConfig = Field(default_factory=HybridEngineConfig)
     elasticity: ElasticityConfig = Field(default_factory=ElasticityConfig)
     compile: CompileConfig = Field(default_factory=CompileConfig)
-    compression_training: _FreeForm = None
+    compression_training: CompressionTrainingConfig | None = None
+    """Compression-aware training (``shardspeed.compression``); None when absent."""
     data_efficiency: _FreeForm = None
     curriculum_learning: _FreeForm = None
     weight_quantization: _FreeForm = None

@@ -27,6 +27,7 @@ from torch import nn
 
 from shardspeed.accelerator import get_accelerator
 from shardspeed.comm.parallel_topology import current_topology
+from shardspeed.compression.scheduler import build_compression_scheduler
 from shardspeed.runtime import checkpointer
 from shardspeed.runtime.checkpoint_format import CheckpointFormat
 from shardspeed.runtime.checkpoint_writer import PendingSave
@@ -135,6 +136,10 @@ class DeepSpeedEngine(EngineQueries, EngineStateVerbs, ModuleAttributes, nn.Modu
         #: per-block Hessian eigenvalues (``eigenvalue`` section; None when off) and the last ones
         self.eigenvalue = Eigenvalue.from_config(self._config.eigenvalue)
         self.block_eigenvalue: dict[int, tuple[float, int]] = {}
+        #: switches compression techniques on at their offsets (None without compression_training)
+        self.compression_scheduler = build_compression_scheduler(
+            self.module, self._config.compression_training
+        )
 
     # -- the training verbs -------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -224,6 +229,8 @@ class DeepSpeedEngine(EngineQueries, EngineStateVerbs, ModuleAttributes, nn.Modu
                     self.block_eigenvalue = found
             with self.observability.phase(STEP_GLOBAL_TIMER):
                 applied = self._optim.step()
+                if applied and self.compression_scheduler is not None:
+                    self.compression_scheduler.step()  # DeepSpeed: after each applied step
                 if applied and self.lr_scheduler is not None:
                     self.lr_scheduler.step(**(lr_kwargs or {}))
             self.state.end_optimizer_step(applied, self.train_batch_size())
