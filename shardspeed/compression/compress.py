@@ -114,7 +114,7 @@ def _enable_args(technique: str, p: dict[str, Any]) -> tuple[str, tuple[Any, ...
 
 def _enable(module: nn.Module, name: str, item: CompressionItem) -> None:
     method, args = _enable_args(item.technique, item.params)
-    if not hasattr(module, method):
+    if item.technique not in getattr(module, "TECHNIQUES", ()):
         raise CompressionConfigError(
             f"compression_training.{item.technique}.different_groups.{item.group}.modules "
             f"names {name!r} ({type(module).__name__}), which has no {item.technique}: "

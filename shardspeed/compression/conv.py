@@ -22,6 +22,7 @@ class Conv2dLayer_Compress(CompressionMixin, nn.Conv2d):  # noqa: N801 - DeepSpe
     """``nn.Conv2d`` with quantization, sparse and channel pruning."""
 
     MASK_KINDS = ("sparse", "channel")
+    TECHNIQUES = CompressionMixin.TECHNIQUES | {"channel_pruning"}
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -31,6 +31,7 @@ class LinearLayer_Compress(CompressionMixin, nn.Linear):  # noqa: N801 - DeepSpe
     """``nn.Linear`` with quantization, sparse, row and head pruning."""
 
     MASK_KINDS = ("sparse", "row", "head")
+    TECHNIQUES = CompressionMixin.TECHNIQUES | {"row_pruning", "head_pruning"}
 
     def __init__(
         self,
@@ -92,7 +93,8 @@ class LinearLayer_Compress(CompressionMixin, nn.Linear):  # noqa: N801 - DeepSpe
     # -- forward -----------------------------------------------------------------------------
     def compressed_weight(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The weight and bias the forward uses now (quantized and masked as switched on)."""
-        weight, bias = self._quantized_sparse_weight(), self.bias
+        weight = self._quantized_sparse_weight()
+        bias: torch.Tensor | None = self.bias
         if self.row_pruning_enabled and self.row_pruning_method is not None:
             rows = self.get_mask("row").reshape(-1)
             weight = weight * rows[:, None]
@@ -168,7 +170,10 @@ class LinearLayer_Compress(CompressionMixin, nn.Linear):  # noqa: N801 - DeepSpe
 
 
 class Embedding_Compress(CompressionMixin, nn.Embedding):  # noqa: N801 - DeepSpeed's name
-    """``nn.Embedding`` with weight quantization (one group per token, as DeepSpeed)."""
+    """``nn.Embedding`` with weight quantization (one group per token, as DeepSpeed) and
+    sparse pruning; its input is token ids, so no activation quantization."""
+
+    TECHNIQUES = frozenset({"weight_quantization", "sparse_pruning"})
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -118,6 +118,8 @@ class StaticRange(nn.Module):
     """Static activation range (``range_calibration: static``): a running min/max, updated in
     training with momentum 0.95 (DeepSpeed's ``QuantAct``), frozen in eval."""
 
+    x_min_max: torch.Tensor
+
     def __init__(self, momentum: float = 0.95) -> None:
         super().__init__()
         self.momentum = momentum

@@ -96,8 +96,8 @@ def convert_conv1d_to_linear(model: nn.Module, convert_type: type[nn.Module]) ->
     for name, module in list(root.named_modules()):
         if not name or not isinstance(module, convert_type):
             continue
-        weight: torch.Tensor = module.weight
-        bias: torch.Tensor | None = getattr(module, "bias", None)
+        weight, bias = module.weight, getattr(module, "bias", None)
+        assert isinstance(weight, torch.Tensor)
         linear = nn.Linear(
             weight.shape[0],
             weight.shape[1],

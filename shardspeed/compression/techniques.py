@@ -65,9 +65,13 @@ class ActivationQuantizer(nn.Module):
 class CompressionMixin:
     """Weight/activation quantization and sparse pruning state of a compression-aware layer."""
 
-    weight: nn.Parameter
-    #: per technique: the structured-mask kinds a layer class supports (``get_mask``)
+    weight: torch.Tensor
+    #: the structured-mask kinds a layer class supports (``get_mask``)
     MASK_KINDS: tuple[str, ...] = ("sparse",)
+    #: the ``compression_training`` techniques a layer class implements
+    TECHNIQUES: frozenset[str] = frozenset(
+        {"weight_quantization", "activation_quantization", "sparse_pruning"}
+    )
 
     def _init_compression_state(self) -> None:
         self.weight_quantizer: WeightQuantizer | None = None

@@ -102,7 +102,7 @@ class _Technique(DeepSpeedConfigModel):
 
     @model_validator(mode="after")
     def _groups_when_enabled(self) -> _Technique:
-        shared = self.shared_parameters
+        shared = getattr(self, "shared_parameters")  # noqa: B009 - declared by subclasses
         if shared.enabled and not self.different_groups:
             raise ValueError(
                 "the technique is enabled (shared_parameters.enabled=true) but different_groups "

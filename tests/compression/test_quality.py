@@ -148,7 +148,9 @@ def test_layer_reduction_with_distillation(family: str) -> None:
     config = {"compression_training": {"layer_reduction": reduction}}
     student = init_compression(tiny.build(family, 2, seed=5), config, teacher_model=teacher)
     first = dict(student.named_parameters())[f"{prefix}.1.{_probe(family)}"]
-    torch.testing.assert_close(first, dict(teacher.named_parameters())[f"{prefix}.3.{_probe(family)}"])
+    torch.testing.assert_close(
+        first, dict(teacher.named_parameters())[f"{prefix}.3.{_probe(family)}"]
+    )
     distiller = Distiller.from_config(teacher, config, temperature=2.0, hidden_weight=1.0)
     assert distiller.layer_map == [(0, 0), (1, 2), (2, 4)]
 

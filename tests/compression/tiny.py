@@ -18,6 +18,7 @@ import transformers
 
 import shardspeed
 from shardspeed.compression import convert_conv1d_to_linear
+
 VOCAB = 33  # token 0 is BERT's [MASK]; the streams use 1..32
 BATCH, LENGTH = 16, 16
 LR = 2e-3
