@@ -155,6 +155,16 @@ class CompressionMixin:
         """What an ``l1`` mask of ``pruning_type`` ranks (here: each weight's magnitude)."""
         return self.weight.detach().abs()
 
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
+        # an l1 mask is a buffer only once its technique has turned on: a checkpoint saved
+        # after that holds it, and a freshly prepared layer must take it rather than refuse it
+        buffers: dict[str, Any] = getattr(self, "_buffers")  # noqa: B009 - nn.Module's
+        for kind in self.MASK_KINDS:
+            name = f"{kind}_pruning_mask"
+            if prefix + name in state_dict and name in buffers and buffers[name] is None:
+                buffers[name] = torch.empty_like(state_dict[prefix + name])
+        super()._load_from_state_dict(state_dict, prefix, *args)  # type: ignore[misc]
+
     def _drop_mask(self, kind: str) -> None:
         module: Any = self
         for name in (f"{kind}_pruning_mask", f"{kind}_mask_scores"):

@@ -378,6 +378,10 @@ class DeepSpeedEngine(EngineQueries, EngineStateVerbs, ModuleAttributes, nn.Modu
             # where the schedule stood when the checkpoint was saved (DeepSpeed restarts it at
             # 1.0 until the next step), so a resumed run drops layers as an unbroken one does
             self.progressive_layer_drop.update_state(self.global_steps - 1)
+        if self.compression_scheduler is not None:
+            # the techniques on at the save are on again (DeepSpeed restarts its count at 0,
+            # so its resumed run computes densely until every offset comes round again)
+            self.compression_scheduler.load_state_dict({"training_steps": self.global_steps})
         return loaded
 
     def save_16bit_model(

@@ -165,3 +165,25 @@ def test_no_section_no_scheduler_and_disabled_layers_compute_densely() -> None:
     ids = tiny.batch("gpt2", 4)["input_ids"]
     with torch.no_grad():
         torch.testing.assert_close(model.eval()(ids).logits, reference(ids).logits)
+
+
+def test_checkpoint_resume_keeps_the_techniques_and_masks(tmp_path) -> None:
+    compression = {
+        "sparse_pruning": {
+            "shared_parameters": {"enabled": True, "method": "l1", "schedule_offset": 2},
+            "different_groups": {"sp": {"params": {"dense_ratio": 0.5}, "modules": ["mlp"]}},
+        }
+    }
+    config = {"compression_training": compression}
+    engine = tiny.train(init_compression(tiny.build("gpt2"), config), "gpt2", 4, compression)
+    engine.save_checkpoint(str(tmp_path), tag="t4")
+    mask = engine.module.transformer.h[0].mlp.c_fc.sparse_pruning_mask.clone()
+
+    resumed = tiny.train(
+        init_compression(tiny.build("gpt2", seed=1), config), "gpt2", 0, compression
+    )
+    assert not resumed.module.transformer.h[0].mlp.c_fc.sparse_pruning_enabled
+    resumed.load_checkpoint(str(tmp_path), tag="t4")
+    layer = resumed.module.transformer.h[0].mlp.c_fc
+    assert resumed.compression_scheduler.training_steps == 4
+    assert layer.sparse_pruning_enabled and torch.equal(layer.sparse_pruning_mask, mask)
