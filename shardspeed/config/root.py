@@ -1,8 +1,8 @@
 """``RootConfig``: every top-level key of a DeepSpeed training config, validated as one model.
 
 Sections with a known schema are models; sections whose contents DeepSpeed treats as free-form
-(or that shardspeed does not model yet: ``compression_training``, ``weight_quantization``,
-``quantize_training``, ``datastates``) are
+(or that shardspeed does not model yet: ``weight_quantization``, ``quantize_training``,
+``datastates``) are
 plain dicts, so later features can consume them.
 """
 
@@ -20,6 +20,7 @@ from shardspeed.config.autotuning import DeepSpeedAutotuningConfig
 from shardspeed.config.base import DeepSpeedConfigModel
 from shardspeed.config.checkpoint import CheckpointConfig, DeepSpeedNebulaConfig
 from shardspeed.config.comms import DeepSpeedCommsConfig
+from shardspeed.config.compression import CompressionTrainingConfig
 from shardspeed.config.data_efficiency import DataEfficiencyConfig, LegacyCurriculumConfig
 from shardspeed.config.deepcompile import CompileConfig
 from shardspeed.config.deprecation import DeprecatedKey
@@ -200,7 +201,8 @@ class RootConfig(DeepSpeedConfigModel):
     hybrid_engine: HybridEngineConfig = Field(default_factory=HybridEngineConfig)
     elasticity: ElasticityConfig = Field(default_factory=ElasticityConfig)
     compile: CompileConfig = Field(default_factory=CompileConfig)
-    compression_training: _FreeForm = None
+    compression_training: CompressionTrainingConfig | None = None
+    """Compression-aware training (``shardspeed.compression``); None when absent."""
     data_efficiency: DataEfficiencyConfig = Field(default_factory=DataEfficiencyConfig)
     curriculum_learning: LegacyCurriculumConfig = Field(default_factory=LegacyCurriculumConfig)
     weight_quantization: _FreeForm = None

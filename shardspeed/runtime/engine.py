@@ -27,6 +27,7 @@ from torch import nn
 
 from shardspeed.accelerator import get_accelerator
 from shardspeed.comm.parallel_topology import current_topology
+from shardspeed.compression.scheduler import build_compression_scheduler
 from shardspeed.runtime import checkpointer
 from shardspeed.runtime.checkpoint_format import CheckpointFormat
 from shardspeed.runtime.checkpoint_writer import PendingSave
@@ -143,6 +144,10 @@ class DeepSpeedEngine(
         self.data_efficiency = DataEfficiencyHooks(
             parts.config, self.train_batch_size(), self.train_micro_batch_size_per_gpu()
         )
+        #: switches compression techniques on at their offsets (None without compression_training)
+        self.compression_scheduler = build_compression_scheduler(
+            self.module, self._config.compression_training
+        )
 
     # -- the training verbs -------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -235,6 +240,8 @@ class DeepSpeedEngine(
                     self.block_eigenvalue = found
             with self.observability.phase(STEP_GLOBAL_TIMER):
                 applied = self._optim.step()
+                if applied and self.compression_scheduler is not None:
+                    self.compression_scheduler.step()  # DeepSpeed: after each applied step
                 if applied and self.lr_scheduler is not None:
                     self.lr_scheduler.step(**(lr_kwargs or {}))
             self.state.end_optimizer_step(applied, self.train_batch_size())
@@ -382,6 +389,10 @@ class DeepSpeedEngine(
             # where the schedule stood when the checkpoint was saved (DeepSpeed restarts it at
             # 1.0 until the next step), so a resumed run drops layers as an unbroken one does
             self.progressive_layer_drop.update_state(self.global_steps - 1)
+        if self.compression_scheduler is not None:
+            # the techniques on at the save are on again (DeepSpeed restarts its count at 0,
+            # so its resumed run computes densely until every offset comes round again)
+            self.compression_scheduler.load_state_dict({"training_steps": self.global_steps})
         return loaded
 
     def save_16bit_model(
