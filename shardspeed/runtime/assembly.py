@@ -25,6 +25,7 @@ from shardspeed.runtime.engine_monitoring import EngineObservability
 from shardspeed.runtime.engine_parts import EngineParts
 from shardspeed.runtime.expert_groups import expert_comm_for
 from shardspeed.runtime.onebit_setup import bind_onebit_optimizer, check_onebit_optimizer
+from shardspeed.ops.muon.tagging import set_optimizer_flags
 from shardspeed.runtime.optimizer_setup import build_basic_optimizer, build_lr_scheduler
 from shardspeed.runtime.precision.autocast import init_autocast_params
 from shardspeed.runtime.precision.loss_scaler import loss_scaler_for_policy
@@ -277,6 +278,7 @@ def assemble(
     device = torch.device(get_accelerator().current_device_name())
     strategy = build_strategy(model, strategy_context(config, precision, topology, device, model))
     strategy.place_module(move=not dont_change_device)
+    set_optimizer_flags(config, model)  # Muon: tag use_muon, as DeepSpeed's initialize does
     params = model_parameters if model_parameters is not None else model.parameters()
     basic_optimizer = build_basic_optimizer(
         optimizer, params, config, cpu_offload=strategy.offload.enabled
