@@ -177,3 +177,34 @@ def run_offload(stage: int, steps: int = 3) -> list[float]:
     for name, value in results[0].items():
         assert_close(results[1][name], value, f"{name} with offload", 1e-6, 1e-7)
     return [float(len(results[0]))]
+
+
+def run_nvme_offload(folder: str, in_memory: bool, steps: int = 3) -> list[str]:
+    """ZeRO-3 with the optimizer state offloaded to NVMe (``folder``) and Muon: the same weights
+    as without offload; returns the swap files' names (``save_muon_momentum_buffer_in_memory``
+    decides whether the momentum buffers are among them)."""
+    import os
+
+    world = dist.get_world_size()
+    results = []
+    names: list[str] = []
+    for offload in (False, True):
+        torch.manual_seed(0)
+        task = make_task("gpt", rows=steps * MICRO * world)
+        zero: dict[str, Any] = {}
+        if offload:
+            zero = {
+                "offload_optimizer": {"device": "nvme", "nvme_path": folder},
+                "save_muon_momentum_buffer_in_memory": in_memory,
+            }
+        engine = _engine(task.build(), 3, zero=zero)
+        x, y = task.data
+        for step in range(steps):
+            _train_step(engine, x, y, step)
+        results.append(_full_params(engine.module))
+        if offload:
+            names = sorted(name for _, _, files in os.walk(folder) for name in files)
+        engine.destroy()
+    for name, value in results[0].items():
+        assert_close(results[1][name], value, f"{name} with NVMe offload", 1e-6, 1e-7)
+    return names

@@ -8,6 +8,7 @@ import pytest
 from tests.runtime.muon.muon_ranks import (
     run_bf16_smoke,
     run_muon_parity,
+    run_nvme_offload,
     run_offload,
     run_resume_across_stages,
 )
@@ -50,3 +51,11 @@ def test_bf16_trains(dist_pool):
 @pytest.mark.timeout(300)
 def test_cpu_optimizer_offload_equals_no_offload(dist_pool):
     dist_pool(2).run(run_offload, 2, timeout_s=240)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("in_memory", [False, True], ids=["swapped", "in_memory"])
+def test_nvme_offload_and_momentum_in_memory(dist_pool, tmp_path, in_memory):
+    names = dist_pool(2).run(run_nvme_offload, str(tmp_path), in_memory, timeout_s=240)[0]
+    assert any("exp_avg" in n for n in names), names  # AdamW's moments are swapped either way
+    assert any("momentum_buffer" in n for n in names) is not in_memory, names
