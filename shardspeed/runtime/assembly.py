@@ -19,13 +19,13 @@ from shardspeed.comm.parallel_topology import (
 )
 from shardspeed.config import DeepSpeedConfig
 from shardspeed.moe.autoep import apply_autoep
+from shardspeed.ops.muon.tagging import set_optimizer_flags
 from shardspeed.runtime import checkpointer
 from shardspeed.runtime.dataloader import build_dataloader
 from shardspeed.runtime.engine_monitoring import EngineObservability
 from shardspeed.runtime.engine_parts import EngineParts
 from shardspeed.runtime.expert_groups import expert_comm_for
 from shardspeed.runtime.onebit_setup import bind_onebit_optimizer, check_onebit_optimizer
-from shardspeed.ops.muon.tagging import set_optimizer_flags
 from shardspeed.runtime.optimizer_setup import build_basic_optimizer, build_lr_scheduler
 from shardspeed.runtime.precision.autocast import init_autocast_params
 from shardspeed.runtime.precision.loss_scaler import loss_scaler_for_policy

@@ -62,7 +62,3 @@ class ShardedMatrices:
         """Each matrix with elements in this rank's chunk, and the range of them (flat)."""
         start, stop = self.chunk_start, self.chunk_start + self.chunk_numel
         return [(m, *span) for m in self.matrices if (span := m.overlap(start, stop))]
-
-    def owned(self) -> list[MatrixSpan]:
-        """The matrices this rank orthogonalises in round-robin mode (index modulo world)."""
-        return [m for i, m in enumerate(self.matrices) if i % self.world_size == self.rank]

@@ -12,9 +12,12 @@ Under ZeRO stages 1-3 the optimizer steps flat chunks, not matrices: the strateg
 chunk with a :class:`~.layout.ShardedMatrices` (:meth:`MuonWithAuxAdam.bind_matrix_layouts`). The
 momentum is element-wise and stays in the chunk; the orthogonalisation gathers the momentum
 update of the whole buffer and then either every rank orthogonalises the matrices its chunk
-overlaps (``ns_placement="gather"``) or each matrix is orthogonalised once, by rank ``index %
-world``, and a reduce-scatter hands every rank its chunk of the result (``"round_robin"``).
-Either gives every element exactly the value an unsharded step gives.
+overlaps (``ns_placement="gather"``) or each matrix is orthogonalised once, by the rank it was
+dealt to, and a reduce-scatter hands every rank its chunk of the result (``"round_robin"``). The
+deal goes over every matrix of every chunk (a model whose biases sit between its matrices has a
+bucket, so a chunk, per matrix), each to the least loaded rank by Newton-Schulz cost
+(``rows * cols * min(rows, cols)``), in the same order on every rank. Either way every element
+gets exactly the value an unsharded step gives.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any
 import torch
 from torch.optim.adam import adam
 
-from shardspeed.ops.muon.layout import ShardedMatrices
+from shardspeed.ops.muon.layout import MatrixSpan, ShardedMatrices
 from shardspeed.ops.muon.newton_schulz import (
     MAX_NS_STEPS,
     NS_COEFFICIENTS,
@@ -120,6 +123,8 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         self.ns_placement = ns_placement
         #: stepped tensor id -> how it holds pieces of matrices (ZeRO stages 1-3)
         self._layouts: dict[int, ShardedMatrices] = {}
+        #: (stepped tensor id, matrix index) -> the rank that orthogonalises it (round_robin)
+        self._owners: dict[tuple[int, int], int] = {}
         for group in self.param_groups:
             for p in group["params"] if group["use_muon"] else ():
                 if p.dim() < 2:
@@ -132,6 +137,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         """The ZeRO strategy replaced the Muon groups' matrices with flat chunks: ``layouts``
         (by stepped tensor id) says which matrices each chunk holds pieces of."""
         self._layouts = dict(layouts)
+        self._owners = self._deal_matrices()
         for group in self.param_groups:
             for p in group["params"] if group["use_muon"] else ():
                 if p.dim() < 2 and id(p) not in self._layouts:
@@ -139,6 +145,24 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                         f"a Muon group steps a flat tensor of {p.numel()} elements with no "
                         "matrix layout; the strategy must describe every chunk it rebinds"
                     )
+
+    def _deal_matrices(self) -> dict[tuple[int, int], int]:
+        """Each sharded matrix's orthogonalising rank: to the least loaded, by cost, in
+        parameter-group order (the same deal on every rank)."""
+        owners: dict[tuple[int, int], int] = {}
+        loads: dict[int, list[int]] = {}  # per world size (expert groups have their own)
+        for group in self.param_groups:
+            for p in group["params"] if group["use_muon"] else ():
+                layout = self._layouts.get(id(p))
+                if layout is None:
+                    continue
+                load = loads.setdefault(layout.world_size, [0] * layout.world_size)
+                for index, span in enumerate(layout.matrices):
+                    rows, cols = matrix_shape(span.shape)
+                    rank = min(range(layout.world_size), key=lambda r: (load[r], r))
+                    load[rank] += rows * cols * min(rows, cols)
+                    owners[(id(p), index)] = rank
+        return owners
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]  # torch's signature
@@ -191,29 +215,31 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
     ) -> None:
         """One Muon step of this rank's chunk (a collective: every rank of the layout calls it
         for the same tensors in the same order)."""
-        lr = group["lr"]
         full = layout.gather(update)
         start = layout.chunk_start
-        pieces: list[tuple[int, int, torch.Tensor]] = []
+
+        def whole(span: MatrixSpan) -> torch.Tensor:
+            values = full[span.offset : span.offset + span.numel]
+            return self._orthogonal(values.view(matrix_shape(span.shape)), group).reshape(-1)
+
         if self.ns_placement == "round_robin":
             out = torch.zeros(layout.full_numel, dtype=torch.float32, device=full.device)
-            for span in layout.owned():
-                whole = full[span.offset : span.offset + span.numel]
-                ortho = self._orthogonal(whole.view(matrix_shape(span.shape)), group)
-                out[span.offset : span.offset + span.numel] = ortho.reshape(-1)
+            for index, span in enumerate(layout.matrices):
+                if self._owners[(id(chunk), index)] == layout.rank:
+                    out[span.offset : span.offset + span.numel] = whole(span)
+            # every element but the owner's is zero: the sum is the owner's value, exactly
             mine = layout.reduce_scatter(out)
-            for span, lo, hi in layout.mine():
-                pieces.append((lo - start, hi - start, mine[lo - start : hi - start]))
+            pieces = [(span, mine[lo - start : hi - start]) for span, lo, hi in layout.mine()]
         else:
-            for span, lo, hi in layout.mine():
-                whole = full[span.offset : span.offset + span.numel]
-                ortho = self._orthogonal(whole.view(matrix_shape(span.shape)), group)
-                flat = ortho.reshape(-1)[lo - span.offset : hi - span.offset]
-                pieces.append((lo - start, hi - start, flat))
+            pieces = [
+                (span, whole(span)[lo - span.offset : hi - span.offset])
+                for span, lo, hi in layout.mine()
+            ]
+        lr = group["lr"]
         chunk.mul_(1 - lr * group["weight_decay"])
-        for (lo, hi, values), (span, _, _) in zip(pieces, layout.mine(), strict=True):
+        for (span, values), (_, lo, hi) in zip(pieces, layout.mine(), strict=True):
             scale = adjusted_lr(lr, matrix_shape(span.shape))
-            chunk[lo:hi].add_(values.to(chunk.device), alpha=-scale)
+            chunk[lo - start : hi - start].add_(values.to(chunk.device), alpha=-scale)
 
     # -- AdamW ------------------------------------------------------------------------------
     def _adam_group(self, group: dict[str, Any]) -> None:

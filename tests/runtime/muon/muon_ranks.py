@@ -59,7 +59,9 @@ def reference_optimizers(model: nn.Module) -> tuple[torch.optim.Muon, torch.opti
 
 def _engine(model: nn.Module, stage: int, placement: str = "gather", **extra: Any) -> Any:
     engine, *_ = shardspeed.initialize(
-        model=model, model_parameters=model.parameters(), config=muon_config(stage, placement, **extra)
+        model=model,
+        model_parameters=model.parameters(),
+        config=muon_config(stage, placement, **extra),
     )
     return engine
 
