@@ -116,6 +116,13 @@ def test_tagging_rule_on_a_small_hf_llama() -> None:
     assert len(muon) == 2 * 7  # q, k, v, o, gate, up, down per layer
 
 
+def test_top_level_names() -> None:
+    import shardspeed
+
+    assert shardspeed.MUON_OPTIMIZER == "muon"
+    assert shardspeed.set_optimizer_flags is set_optimizer_flags
+
+
 def test_tagging_only_for_muon() -> None:
     model = _model()
     set_optimizer_flags(SimpleNamespace(optimizer_name="adamw"), model)
