@@ -13,7 +13,8 @@ chunk with a :class:`~.layout.ShardedMatrices` (:meth:`MuonWithAuxAdam.bind_matr
 momentum is element-wise and stays in the chunk; the orthogonalisation gathers the momentum
 update of the whole buffer and then either every rank orthogonalises the matrices its chunk
 overlaps (``ns_placement="gather"``) or each matrix is orthogonalised once, by the rank it was
-dealt to, and a reduce-scatter hands every rank its chunk of the result (``"round_robin"``). The
+dealt to, and a reduce-scatter hands every rank its chunk of the result (``"round_robin"``, the
+default: no matrix is orthogonalised twice, at the cost of one more collective). The
 deal goes over every matrix of every chunk (a model whose biases sit between its matrices has a
 bucket, so a chunk, per matrix), each to the least loaded rank by Newton-Schulz cost
 (``rows * cols * min(rows, cols)``), in the same order on every rank. Either way every element
@@ -112,7 +113,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
     """Muon on the groups with ``use_muon=True``, AdamW on the others (module docstring)."""
 
     def __init__(
-        self, param_groups: Iterable[dict[str, Any]], ns_placement: str = "gather"
+        self, param_groups: Iterable[dict[str, Any]], ns_placement: str = "round_robin"
     ) -> None:
         if ns_placement not in NS_PLACEMENTS:
             raise ValueError(

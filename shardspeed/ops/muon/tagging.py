@@ -134,7 +134,7 @@ def muon_param_groups(params: Iterable[Any], opt_params: dict[str, Any]) -> list
 def build_muon(params: Iterable[Any], opt_params: dict[str, Any]) -> MuonWithAuxAdam:
     """``{"type": "Muon", "params": opt_params}`` over the tagged ``params``."""
     kwargs = dict(opt_params)
-    placement = kwargs.pop("ns_placement", "gather")
+    placement = kwargs.pop("ns_placement", "round_robin")
     if placement not in NS_PLACEMENTS:
         raise ValueError(
             f"optimizer.params.ns_placement must be one of {', '.join(NS_PLACEMENTS)}, got "

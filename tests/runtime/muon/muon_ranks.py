@@ -22,7 +22,7 @@ MUON_LR, ADAM_LR, MOMENTUM, DECAY, EPS = 0.02, 1e-2, 0.9, 0.01, 1e-6
 BETAS = (0.9, 0.95)
 
 
-def muon_config(stage: int, placement: str = "gather", **extra: Any) -> dict[str, Any]:
+def muon_config(stage: int, placement: str = "round_robin", **extra: Any) -> dict[str, Any]:
     return {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": 1,
@@ -57,7 +57,7 @@ def reference_optimizers(model: nn.Module) -> tuple[torch.optim.Muon, torch.opti
     return muon, adamw
 
 
-def _engine(model: nn.Module, stage: int, placement: str = "gather", **extra: Any) -> Any:
+def _engine(model: nn.Module, stage: int, placement: str = "round_robin", **extra: Any) -> Any:
     engine, *_ = shardspeed.initialize(
         model=model,
         model_parameters=model.parameters(),
@@ -81,7 +81,7 @@ def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
         return {n: p.detach().float().clone() for n, p in model.named_parameters()}
 
 
-def run_muon_parity(stage: int, steps: int = 10, placement: str = "gather") -> dict[str, Any]:
+def run_muon_parity(stage: int, steps: int = 10, placement: str = "round_robin") -> dict[str, Any]:
     """``steps`` steps of the engine at ZeRO ``stage`` against the torch reference; losses,
     every parameter and (matrices) the momentum buffers compared at every step."""
     world = dist.get_world_size()

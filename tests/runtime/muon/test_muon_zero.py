@@ -28,8 +28,8 @@ def test_ten_steps_match_torch_muon_at_every_stage(dist_pool):
 
 
 @pytest.mark.timeout(300)
-def test_round_robin_placement_matches_too(dist_pool):
-    results = dist_pool(2).run(run_muon_parity, 2, 4, "round_robin", timeout_s=240)
+def test_gather_placement_matches_too(dist_pool):
+    results = dist_pool(2).run(run_muon_parity, 2, 4, "gather", timeout_s=240)
     assert len(results[0]["losses"]) == 4
 
 
