@@ -36,6 +36,8 @@ _LAZY: dict[str, str] = {
     "OnDevice": "shardspeed.utils.init_on_device",
     "tp_model_init": "shardspeed.runtime.tensor_parallel.legacy",
     "set_autotp_mode": "shardspeed.runtime.tensor_parallel.legacy",
+    "set_optimizer_flags": "shardspeed.ops.muon.tagging",
+    "MUON_OPTIMIZER": "shardspeed.ops.muon.tagging",
     "comm": "shardspeed.comm",
     "checkpointing": "shardspeed.checkpointing",
     "accelerator": "shardspeed.accelerator",

@@ -18,6 +18,7 @@ from shardspeed.ops.adagrad import DeepSpeedCPUAdagrad
 from shardspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 from shardspeed.ops.lamb import FusedLamb
 from shardspeed.ops.lion import DeepSpeedCPULion, FusedLion
+from shardspeed.ops.muon.tagging import build_muon
 from shardspeed.runtime.fp16.onebit.adam import OnebitAdam
 from shardspeed.runtime.fp16.onebit.lamb import OnebitLamb
 from shardspeed.runtime.fp16.onebit.zoadam import ZeroOneAdam
@@ -59,7 +60,6 @@ _NOT_YET_SUPPORTED = {
     MUADAM_OPTIMIZER,
     MUADAMW_OPTIMIZER,
     MUSGD_OPTIMIZER,
-    MUON_OPTIMIZER,
 }
 
 
@@ -157,7 +157,9 @@ def build_optimizer(
     DeepSpeed's types: ``adam`` (FusedAdam; AdamW unless ``adam_w_mode: false``; with
     ``torch_adam: true``, ``torch.optim.AdamW``/``Adam``), ``adamw`` (always AdamW), ``lamb``
     (FusedLamb), ``lion`` (FusedLion), ``adagrad`` (``torch.optim.Adagrad``), ``onebitadam``,
-    ``zerooneadam``, ``onebitlamb`` (the 1-bit optimizers, ZeRO stage 0). With
+    ``zerooneadam``, ``onebitlamb`` (the 1-bit optimizers, ZeRO stage 0), ``muon``
+    (:class:`~shardspeed.ops.muon.MuonWithAuxAdam` over parameters tagged ``use_muon``; the
+    same optimizer under ZeRO-Offload, its collectives moved to the device). With
     ``cpu_offload=True`` (ZeRO-Offload) Adam, Lion and Adagrad use DeepSpeedCPUAdam,
     DeepSpeedCPULion and DeepSpeedCPUAdagrad. Any other name is a ``torch.optim`` class.
     ``opt_params`` is not modified.
@@ -183,6 +185,8 @@ def build_optimizer(
         return _construct(FusedLamb, params, kwargs)
     if low in _ONEBIT:
         return _construct(_ONEBIT[low], params, kwargs)
+    if low == MUON_OPTIMIZER:
+        return build_muon(params, kwargs)
     if low == LION_OPTIMIZER:
         return _construct(DeepSpeedCPULion if cpu_offload else FusedLion, params, kwargs)
     if low == ADAGRAD_OPTIMIZER:

@@ -19,6 +19,7 @@ from shardspeed.comm.parallel_topology import (
 )
 from shardspeed.config import DeepSpeedConfig
 from shardspeed.moe.autoep import apply_autoep
+from shardspeed.ops.muon.tagging import set_optimizer_flags
 from shardspeed.runtime import checkpointer
 from shardspeed.runtime.dataloader import build_dataloader
 from shardspeed.runtime.engine_monitoring import EngineObservability
@@ -277,6 +278,7 @@ def assemble(
     device = torch.device(get_accelerator().current_device_name())
     strategy = build_strategy(model, strategy_context(config, precision, topology, device, model))
     strategy.place_module(move=not dont_change_device)
+    set_optimizer_flags(config, model)  # Muon: tag use_muon, as DeepSpeed's initialize does
     params = model_parameters if model_parameters is not None else model.parameters()
     basic_optimizer = build_basic_optimizer(
         optimizer, params, config, cpu_offload=strategy.offload.enabled

@@ -67,6 +67,9 @@ class ZeroOptions:
     mics_shard_size: int
     #: the ``aio`` section: how NVMe offload reads and writes
     aio: AioConfig
+    #: ``save_muon_momentum_buffer_in_memory``: NVMe optimizer offload swaps Muon's momentum
+    #: buffer too unless this is set
+    save_muon_momentum_buffer_in_memory: bool = False
 
     @classmethod
     def defaults(cls) -> ZeroOptions:
@@ -92,4 +95,5 @@ def zero_options(zero: DeepSpeedZeroConfig, aio: AioConfig | None = None) -> Zer
         offload_param=ParamOffload.from_section(zero.offload_param),
         mics_shard_size=int(zero.mics_shard_size),
         aio=aio if aio is not None else AioConfig(),
+        save_muon_momentum_buffer_in_memory=bool(zero.save_muon_momentum_buffer_in_memory),
     )

@@ -31,12 +31,14 @@ import torch
 
 from shardspeed import comm
 from shardspeed.checkpoint.layout import BucketLayout, layouts_match
+from shardspeed.ops.muon.layout import ShardedMatrices
 from shardspeed.runtime.precision.master_weights import MasterWeights
 from shardspeed.runtime.precision.overflow import has_inf_or_nan, unscale_
 from shardspeed.runtime.zero.buckets import GradBucket, GradientBuckets
 from shardspeed.runtime.zero.flat_params import FlatParams
 from shardspeed.runtime.zero.grad_norm import GradSquares, partitioned_squares
 from shardspeed.runtime.zero.grad_storage import StagedStorage
+from shardspeed.runtime.zero.matrix_layout import partitioned_matrix_layouts
 from shardspeed.runtime.zero.partition import FlatPartition, Piece
 from shardspeed.runtime.zero.records import ParamRecord
 from shardspeed.runtime.zero.reduce_options import accumulation_dtype, comm_source
@@ -378,6 +380,11 @@ class PartitionedGroup(ShardGroup):
             group=self.comm.group,
             local_grad=None if local is None else local.view(-1),
         )
+
+    def matrix_layouts(self) -> dict[int, ShardedMatrices]:
+        """Each bucket's chunk holds pieces of the bucket's parameters (also at stage 3,
+        whose buckets are its gather units' flat shards)."""
+        return partitioned_matrix_layouts(self)
 
     def aliased(self, bucket: int) -> bool:
         """Whether the optimizer steps bucket ``bucket``'s parameter chunk itself."""

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from shardspeed.comm import ProcessGroup
+from shardspeed.ops.muon.layout import ShardedMatrices
 from shardspeed.runtime.precision.master_weights import MasterWeights
 from shardspeed.runtime.precision.overflow import has_inf_or_nan
 from shardspeed.runtime.precision.policy import PrecisionPolicy
@@ -154,6 +155,11 @@ class ShardGroup(ABC):
     @abstractmethod
     def zero_grad(self) -> None:
         """Forget the accumulated gradients."""
+
+    def matrix_layouts(self) -> dict[int, ShardedMatrices]:
+        """How each stepped tensor that is not a whole parameter holds pieces of matrices, by
+        the tensor's id (for an optimizer that needs whole matrices: Muon); none by default."""
+        return {}
 
     # -- inspection and state ---------------------------------------------------------------
     @abstractmethod

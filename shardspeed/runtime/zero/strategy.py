@@ -249,7 +249,21 @@ class ZeroStrategy:
                 t for t in params if id(t) in stepped or self.keep_in_optimizer(t, stepped, index)
             ]
         self.optimizer = optimizer
+        self._describe_matrices(optimizer)
         self.stepper = self.make_stepper()
+
+    def _describe_matrices(self, optimizer: torch.optim.Optimizer) -> None:
+        """An optimizer that needs each matrix whole (Muon: ``bind_matrix_layouts``) learns
+        how the groups' stepped tensors hold them."""
+        bind = getattr(optimizer, "bind_matrix_layouts", None)
+        if bind is not None:
+            bind(
+                {
+                    key: layout
+                    for group in self.groups
+                    for key, layout in group.matrix_layouts().items()
+                }
+            )
 
     def make_stepper(self) -> SubGroupStepper:
         """How the optimizer steps: by ``sub_group_size`` (DeepSpeed applies it at stage 3;
@@ -263,7 +277,12 @@ class ZeroStrategy:
             # before the first step writes any
             need = 2 * sum(t.numel() * t.element_size() for t in swapped)
             swap.check_space(need, "zero_optimization.offload_optimizer.nvme_path")
-        return SubGroupStepper(size, swap, swapped)
+        # save_muon_momentum_buffer_in_memory: Muon's buffer is read by every step's gather
+        # and is one tensor per master, so it may stay in memory while the moments swap
+        resident = (
+            ("momentum_buffer",) if self.ctx.options.save_muon_momentum_buffer_in_memory else ()
+        )
+        return SubGroupStepper(size, swap, swapped, resident=resident)
 
     def swap_store(self) -> SwapStore:
         """The files NVMe offload swaps to (made on first use): the optimizer's

@@ -39,8 +39,16 @@ class SubGroupStepper:
     """Steps ``optimizer`` run by run, swapping the state of ``swapped`` tensors (by id) in
     and out through ``swap`` when one is given."""
 
-    def __init__(self, size: int, swap: SwapStore | None, swapped: Sequence[torch.Tensor]) -> None:
+    def __init__(
+        self,
+        size: int,
+        swap: SwapStore | None,
+        swapped: Sequence[torch.Tensor],
+        resident: Sequence[str] = (),
+    ) -> None:
         self.size = size
+        #: optimizer state names kept in memory even for swapped tensors
+        self.resident = frozenset(resident)
         self.swap = swap
         self._swapped = {id(t) for t in swapped}
         #: each swapped tensor's number, which names its state files
@@ -61,6 +69,8 @@ class SubGroupStepper:
                 continue
             state = optimizer.state.get(tensor, {})
             for name, value in sorted(state.items()):
+                if name in self.resident:
+                    continue
                 if isinstance(value, torch.Tensor) and value.numel() == tensor.numel() > 1:
                     items.append((f"master{self._number[id(tensor)]}_{name}", value))
         return items

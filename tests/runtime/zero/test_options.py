@@ -46,6 +46,7 @@ def _every_key(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         "offload_optimizer": {"device": "cpu", "pin_memory": True, "ratio": 0.5},
         "offload_param": {"device": "nvme", "nvme_path": str(folder), "pin_memory": True},
         "mics_shard_size": 2,
+        "save_muon_momentum_buffer_in_memory": True,
     }
     aio = {"block_size": 4096, "queue_depth": 2, "intra_op_parallelism": 3}
     return zero, aio
@@ -93,6 +94,7 @@ def test_every_field_is_read_from_the_config(tmp_path: Path) -> None:
         offload_param=ParamOffload(device="nvme", nvme_path=tmp_path, pin_memory=True),
         mics_shard_size=2,
         aio=AioConfig(block_size=4096, queue_depth=2, intra_op_parallelism=3),
+        save_muon_momentum_buffer_in_memory=True,
     )
     assert isinstance(options.offload_param.device, str) and options.offload_param.to_nvme
     with pytest.raises(dataclasses.FrozenInstanceError):  # no strategy changes another's
