@@ -93,18 +93,43 @@ def _torch_mode(cfg: GPTConfig, batches: list, warmup: int, args: argparse.Names
     torch.manual_seed(0)
     model = GPT(cfg).to(_device())
     fused = torch.cuda.is_available()
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, fused=fused)
+    if args.optimizer == "muon":
+        opts = _torch_muon(model, args, fused)
+    else:
+        opts = [torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, fused=fused)]
     dtype = torch.bfloat16
 
     def step(x: torch.Tensor, y: torch.Tensor) -> float:
         with torch.autocast(_device().type, dtype=dtype):
             loss = model(x, y)
         loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         return float(loss)
 
     return _timed(step, batches, warmup)
+
+
+def _torch_muon(model: torch.nn.Module, args: argparse.Namespace, fused: bool) -> list:
+    """torch.optim.Muon on the matrices DeepSpeed's rule tags, AdamW on the rest, with the
+    settings ``_optimizer_section`` gives shardspeed's Muon (its AdamW defaults)."""
+    from shardspeed.ops.muon.tagging import wants_muon
+
+    named = list(model.named_parameters())
+    matrices = [p for n, p in named if wants_muon(n, p)]
+    rest = [p for n, p in named if not wants_muon(n, p)]
+    muon = torch.optim.Muon(matrices, lr=args.muon_lr, weight_decay=0.0, momentum=0.95)
+    adam = torch.optim.AdamW(
+        rest, lr=args.lr, betas=(0.9, 0.95), eps=1e-10, weight_decay=0.0, fused=fused
+    )
+    return [muon, adam]
+
+
+def _optimizer_section(args: argparse.Namespace) -> dict[str, Any]:
+    if args.optimizer == "muon":
+        return {"type": "Muon", "params": {"muon_lr": args.muon_lr, "adam_lr": args.lr}}
+    return {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.01}}
 
 
 def _zero_section(mode: str, nvme: str) -> dict[str, Any]:
@@ -128,7 +153,7 @@ def _shardspeed_mode(
         config = {
             "train_micro_batch_size_per_gpu": args.micro,
             "bf16": {"enabled": True},
-            "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.01}},
+            "optimizer": _optimizer_section(args),
             "zero_optimization": _zero_section(mode, nvme),
         }
         engine, *_ = shardspeed.initialize(model=GPT(cfg), config=config)
@@ -281,6 +306,13 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--micro", type=int, default=8)
     ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument(
+        "--optimizer",
+        choices=["adamw", "muon"],
+        default="adamw",
+        help="muon: shardspeed's Muon against torch.optim.Muon + AdamW (--lr is AdamW's)",
+    )
+    ap.add_argument("--muon_lr", type=float, default=0.02, help="the Muon matrices' lr")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--offload_steps", type=int, default=2, help="timed, after 1 warm-up step")
@@ -300,6 +332,7 @@ def main() -> None:
             setattr(args, key, value)
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     out: dict[str, Any] = {"device": device, "torch": torch.__version__}
+    out["optimizer"] = args.optimizer
     if args.only in ("train", "both"):
         out["train"] = train(args)
     if args.only in ("decode", "both"):
