@@ -216,14 +216,16 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
     ) -> None:
         """One Muon step of this rank's chunk (a collective: every rank of the layout calls it
         for the same tensors in the same order)."""
-        full = layout.gather(update)
+        # one rank: the chunk is the whole buffer, no collective and nothing to deal out
+        alone = layout.world_size == 1
+        full = update if alone else layout.gather(update)
         start = layout.chunk_start
 
         def whole(span: MatrixSpan) -> torch.Tensor:
             values = full[span.offset : span.offset + span.numel]
             return self._orthogonal(values.view(matrix_shape(span.shape)), group).reshape(-1)
 
-        if self.ns_placement == "round_robin":
+        if self.ns_placement == "round_robin" and not alone:
             out = torch.zeros(layout.full_numel, dtype=torch.float32, device=full.device)
             for index, span in enumerate(layout.matrices):
                 if self._owners[(id(chunk), index)] == layout.rank:

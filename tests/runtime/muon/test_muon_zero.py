@@ -28,6 +28,16 @@ def test_ten_steps_match_torch_muon_at_every_stage(dist_pool):
 
 
 @pytest.mark.timeout(300)
+def test_one_rank_takes_the_collective_free_path(dist_pool):
+    # at world size 1 a chunk is its whole buffer: no gather, no deal, no reduce-scatter (the
+    # path a single GPU takes at stages 1-3), still torch's numbers
+    pool = dist_pool(1)
+    for stage in (1, 2, 3):
+        results = pool.run(run_muon_parity, stage, 4, timeout_s=240)
+        assert len(results[0]["losses"]) == 4, stage
+
+
+@pytest.mark.timeout(300)
 def test_gather_placement_matches_too(dist_pool):
     results = dist_pool(2).run(run_muon_parity, 2, 4, "gather", timeout_s=240)
     assert len(results[0]["losses"]) == 4
