@@ -23,8 +23,8 @@ gets exactly the value an unsharded step gives.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, TypeVar
 
 import torch
 from torch.optim.adam import adam
@@ -35,10 +35,11 @@ from shardspeed.ops.muon.newton_schulz import (
     NS_COEFFICIENTS,
     NS_EPS,
     NS_STEPS,
+    STACK_ELEMENTS,
     adjusted_lr,
     as_matrix,
     matrix_shape,
-    orthogonalize,
+    orthogonalize_many,
 )
 
 #: a Muon group's settings and their defaults (DeepSpeed's MuonWithAuxAdam: lr 0.02, momentum
@@ -59,6 +60,8 @@ ADAM_DEFAULTS: dict[str, Any] = {
     "eps": 1e-10,
     "weight_decay": 0.0,
 }
+_T = TypeVar("_T")
+
 #: how a sharded Muon step orthogonalises (see the module docstring)
 NS_PLACEMENTS = ("gather", "round_robin")
 
@@ -107,6 +110,20 @@ def _completed(group: dict[str, Any], index: int) -> dict[str, Any]:
     else:
         completed["betas"] = tuple(completed["betas"])
     return completed
+
+
+def _windows(items: list[_T], size: Callable[[_T], int]) -> Iterator[list[_T]]:
+    """``items`` in consecutive runs of about :data:`STACK_ELEMENTS` elements (by ``size``)."""
+    window: list[_T] = []
+    held = 0
+    for item in items:
+        window.append(item)
+        held += size(item)
+        if held >= STACK_ELEMENTS:
+            yield window
+            window, held = [], 0
+    if window:
+        yield window
 
 
 class MuonWithAuxAdam(torch.optim.Optimizer):
@@ -190,59 +207,82 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         buf.lerp_(grad, 1 - group["momentum"])
         return grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
 
-    def _orthogonal(self, update: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
-        return orthogonalize(update, group["ns_coefficients"], group["ns_steps"], group["ns_eps"])
+    def _orthogonal(
+        self, matrices: list[torch.Tensor], group: dict[str, Any]
+    ) -> list[torch.Tensor]:
+        return orthogonalize_many(
+            matrices, group["ns_coefficients"], group["ns_steps"], group["ns_eps"]
+        )
 
     def _muon_group(self, group: dict[str, Any]) -> None:
         lr, decay = group["lr"], group["weight_decay"]
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            update = self._momentum(p, group)
-            layout = self._layouts.get(id(p))
-            if layout is None:  # a whole matrix (stage 0, or no ZeRO)
-                ortho = self._orthogonal(as_matrix(update), group)
+        stepped = [p for p in group["params"] if p.grad is not None]
+        whole = [p for p in stepped if id(p) not in self._layouts]  # stage 0, or no ZeRO
+        # a window at a time (bounded extra memory): the momentum updates, then the window's
+        # matrices orthogonalised together, the same-shaped ones batched
+        for window in _windows(whole, lambda p: p.numel()):
+            updates = [as_matrix(self._momentum(p, group)) for p in window]
+            for p, ortho in zip(window, self._orthogonal(updates, group), strict=True):
                 p.mul_(1 - lr * decay)
                 p.add_(ortho.view_as(p), alpha=-adjusted_lr(lr, matrix_shape(p.shape)))
-                continue
-            self._sharded_muon(p, update, layout, group)
+        sharded = [p for p in stepped if id(p) in self._layouts]
+        for window in _windows(sharded, lambda p: self._layouts[id(p)].full_numel):
+            items = [(p, self._momentum(p, group), self._layouts[id(p)]) for p in window]
+            self._sharded_muon(items, group)
 
     def _sharded_muon(
-        self,
-        chunk: torch.Tensor,
-        update: torch.Tensor,
-        layout: ShardedMatrices,
-        group: dict[str, Any],
+        self, items: list[tuple[torch.Tensor, torch.Tensor, ShardedMatrices]], group: dict[str, Any]
     ) -> None:
-        """One Muon step of this rank's chunk (a collective: every rank of the layout calls it
-        for the same tensors in the same order)."""
-        # one rank: the chunk is the whole buffer, no collective and nothing to deal out
-        alone = layout.world_size == 1
-        full = update if alone else layout.gather(update)
-        start = layout.chunk_start
-
-        def whole(span: MatrixSpan) -> torch.Tensor:
-            values = full[span.offset : span.offset + span.numel]
-            return self._orthogonal(values.view(matrix_shape(span.shape)), group).reshape(-1)
-
-        if self.ns_placement == "round_robin" and not alone:
-            out = torch.zeros(layout.full_numel, dtype=torch.float32, device=full.device)
-            for index, span in enumerate(layout.matrices):
-                if self._owners[(id(chunk), index)] == layout.rank:
-                    out[span.offset : span.offset + span.numel] = whole(span)
-            # every element but the owner's is zero: the sum is the owner's value, exactly
-            mine = layout.reduce_scatter(out)
-            pieces = [(span, mine[lo - start : hi - start]) for span, lo, hi in layout.mine()]
-        else:
-            pieces = [
-                (span, whole(span)[lo - span.offset : hi - span.offset])
-                for span, lo, hi in layout.mine()
-            ]
+        """One Muon step of these chunks (collectives: every rank of a layout calls this for the
+        same tensors in the same order). Each chunk's whole buffer is gathered (not at one
+        rank: the chunk is the buffer), the matrices this rank orthogonalises are done in one
+        batch, then each chunk takes its pieces (``round_robin``: by a reduce-scatter)."""
+        fulls = [
+            update if layout.world_size == 1 else layout.gather(update)
+            for _, update, layout in items
+        ]
+        dealt = [
+            self.ns_placement == "round_robin" and layout.world_size > 1 for _, _, layout in items
+        ]
+        jobs: list[tuple[int, MatrixSpan]] = []
+        for i, (chunk, _, layout) in enumerate(items):
+            if dealt[i]:
+                owned = [
+                    span
+                    for index, span in enumerate(layout.matrices)
+                    if self._owners[(id(chunk), index)] == layout.rank
+                ]
+            else:
+                owned = [span for span, _, _ in layout.mine()]
+            jobs += [(i, span) for span in owned]
+        results = self._orthogonal(
+            [
+                fulls[i][span.offset : span.offset + span.numel].view(matrix_shape(span.shape))
+                for i, span in jobs
+            ],
+            group,
+        )
+        done = {(i, span): r.reshape(-1) for (i, span), r in zip(jobs, results, strict=True)}
         lr = group["lr"]
-        chunk.mul_(1 - lr * group["weight_decay"])
-        for (span, values), (_, lo, hi) in zip(pieces, layout.mine(), strict=True):
-            scale = adjusted_lr(lr, matrix_shape(span.shape))
-            chunk[lo - start : hi - start].add_(values.to(chunk.device), alpha=-scale)
+        for i, (chunk, _, layout) in enumerate(items):
+            start = layout.chunk_start
+            if dealt[i]:
+                out = torch.zeros(layout.full_numel, dtype=torch.float32, device=fulls[i].device)
+                for span in layout.matrices:
+                    if (i, span) in done:
+                        out[span.offset : span.offset + span.numel] = done[(i, span)]
+                # every element but the owner's is zero: the sum is the owner's value, exactly
+                mine = layout.reduce_scatter(out)
+                pieces = [mine[lo - start : hi - start] for _, lo, hi in layout.mine()]
+            else:
+                pieces = [
+                    done[(i, span)][lo - span.offset : hi - span.offset]
+                    for span, lo, hi in layout.mine()
+                ]
+            chunk.mul_(1 - lr * group["weight_decay"])
+            for values, (span, lo, hi) in zip(pieces, layout.mine(), strict=True):
+                scale = adjusted_lr(lr, matrix_shape(span.shape))
+                chunk[lo - start : hi - start].add_(values.to(chunk.device), alpha=-scale)
 
     # -- AdamW ------------------------------------------------------------------------------
     def _adam_group(self, group: dict[str, Any]) -> None:

@@ -170,3 +170,42 @@ def test_untagged_parameters_and_groups_are_refused() -> None:
         build_optimizer("Muon", [{"params": list(model.parameters())}], {})
     with pytest.raises(ValueError, match="use_muon=False group"):
         MuonWithAuxAdam([{"params": [model[0].bias], "use_muon": True}])
+
+
+def test_batched_newton_schulz_equals_one_matrix_at_a_time(monkeypatch) -> None:
+    from shardspeed.ops.muon import newton_schulz
+
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(24, 8), (8, 24), (24, 8), (16, 16), (24, 8), (8, 24), (5, 7)]
+    matrices = [torch.randn(*shape, generator=gen) for shape in shapes]
+    expected = [newton_schulz.orthogonalize(m) for m in matrices]
+    # three (24, 8) in one stack, then split into stacks of two (the element cap)
+    for cap in (1 << 26, 2 * 24 * 8):
+        monkeypatch.setattr(newton_schulz, "STACK_ELEMENTS", cap)
+        got = newton_schulz.orthogonalize_many(matrices)
+        assert [tuple(g.shape) for g in got] == shapes
+        for g, e in zip(got, expected, strict=True):
+            assert torch.equal(g, e)
+
+
+def test_repeated_shapes_still_equal_torch_muon() -> None:
+    # four layers of one shape: the optimizer batches them, torch does them one by one
+    torch.manual_seed(1)
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)], nn.Linear(16, 4))
+    reference = copy.deepcopy(model)
+    set_optimizer_flags(MUON, model)
+    opt = build_optimizer("Muon", model.parameters(), {"lr": 1e-3, "muon_lr": 0.05})
+    matrices = [p for p in reference.parameters() if p.dim() == 2]
+    rest = [p for p in reference.parameters() if p.dim() != 2]
+    muon = torch.optim.Muon(matrices, lr=0.05, momentum=0.95, weight_decay=0.0)
+    adamw = torch.optim.AdamW(rest, lr=1e-3, betas=(0.9, 0.95), eps=1e-10, weight_decay=0.0)
+    for step in range(5):
+        gen = torch.Generator().manual_seed(step)
+        x = torch.randn(6, 16, generator=gen)
+        for net, optimizers in ((model, (opt,)), (reference, (muon, adamw))):
+            net(x).pow(2).mean().backward()
+            for o in optimizers:
+                o.step()
+                o.zero_grad()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p, q)
