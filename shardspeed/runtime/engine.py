@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from shardspeed.accelerator import get_accelerator
+from shardspeed.autotuning.probe import AutotuningProbe
 from shardspeed.comm.parallel_topology import current_topology
 from shardspeed.runtime import checkpointer
 from shardspeed.runtime.checkpoint_format import CheckpointFormat
@@ -143,6 +144,14 @@ class DeepSpeedEngine(
         self.data_efficiency = DataEfficiencyHooks(
             parts.config, self.train_batch_size(), self.train_micro_batch_size_per_gpu()
         )
+        #: times an autotuning experiment and ends it (None outside ``shardspeed --autotuning``)
+        self.autotuning_probe = AutotuningProbe.from_config(
+            parts.config,
+            self.module,
+            self.global_rank,
+            self.train_batch_size(),
+            self.train_micro_batch_size_per_gpu(),
+        )
 
     # -- the training verbs -------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -241,6 +250,8 @@ class DeepSpeedEngine(
             if self.eigenvalue is not None:
                 self.observability.monitor.write_events(self.eigenvalue.events(self.global_samples))
             self._report_progress()
+            if self.autotuning_probe is not None:
+                self.autotuning_probe.after_step(self.global_steps)
         self.state.end_micro_step()
         self.observability.after_step(boundary, self.get_lr(), self.loss_scale)
 
