@@ -9,7 +9,6 @@ launches the job with the best configuration (and the ``arg_mappings`` script ar
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import shutil
@@ -275,4 +274,3 @@ def autotune(args: argparse.Namespace, active_resources: dict[str, list[int]]) -
     if args.autotuning == "run":
         return tuner.run_after_tuning()
     return 0
-

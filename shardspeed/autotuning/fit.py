@@ -69,11 +69,16 @@ def _model_states(point: Point, info: ModelInfo, world: int, mixed: bool) -> flo
         from shardspeed.runtime.zero.estimators import estimate_zero3_model_states_mem_needs
 
         return estimate_zero3_model_states_mem_needs(
-            total, info.largest_layer_params, world, 1, cpu_offload=offload, cpu_offload_params=False
+            total,
+            info.largest_layer_params,
+            world,
+            1,
+            cpu_offload=offload,
+            cpu_offload_params=False,
         )[1]
-    params = (2 if mixed else 4) * total
-    grads = (2 if mixed else 4) * total
-    optim = (12 if mixed else 8) * total  # Adam moments (+ fp32 master weights when mixed)
+    params: float = (2 if mixed else 4) * total
+    grads: float = (2 if mixed else 4) * total
+    optim: float = (12 if mixed else 8) * total  # Adam moments (+ fp32 master weights when mixed)
     if point.stage >= 1:
         optim /= world
     if point.stage >= 2:

@@ -58,9 +58,7 @@ def plot_trials(rows: list[dict[str, Any]], metric: str, path: str) -> str:
     return f"plot: {path}"
 
 
-def write_results(
-    results_dir: str, rows: list[dict[str, Any]], metric: str, footer: str
-) -> str:
+def write_results(results_dir: str, rows: list[dict[str, Any]], metric: str, footer: str) -> str:
     """Write ``summary.txt``, ``results.json`` and the plot; returns the table."""
     os.makedirs(results_dir, exist_ok=True)
     table = format_table(rows, metric)

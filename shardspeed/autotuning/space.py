@@ -233,7 +233,10 @@ def experiment_config(
         set_dotted(config, key, value)
     if "train_batch_size" in config and is_auto(config["train_batch_size"]):
         del config["train_batch_size"]
-    for key in ("zero_optimization.offload_optimizer.device", "zero_optimization.reduce_bucket_size"):
+    for key in (
+        "zero_optimization.offload_optimizer.device",
+        "zero_optimization.reduce_bucket_size",
+    ):
         if isinstance(get_dotted(config, key), list) or is_auto(get_dotted(config, key)):
             set_dotted(config, key, "none" if key.endswith("device") else 500_000_000)
     if autotuning is None:

@@ -93,7 +93,9 @@ def test_list_auto_and_fixed_values() -> None:
 
 def test_without_global_batch_micro_batches_are_powers_of_two() -> None:
     cfg = at(min_train_micro_batch_size_per_gpu=2, max_train_micro_batch_size_per_gpu=32)
-    space = build_space({"gradient_accumulation_steps": 2, "zero_optimization": {"stage": 0}}, cfg, 4)
+    space = build_space(
+        {"gradient_accumulation_steps": 2, "zero_optimization": {"stage": 0}}, cfg, 4
+    )
     assert [(p.micro_batch, p.grad_accum) for p in space.points] == [(2, 2), (8, 2), (32, 2)]
 
 
@@ -160,12 +162,19 @@ def test_config_path_and_arg_mappings_in_script_arguments() -> None:
         },
         {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4},
     )
-    assert mapped[-4:] == ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "4"]
+    assert mapped[-4:] == [
+        "--per_device_train_batch_size",
+        "2",
+        "--gradient_accumulation_steps",
+        "4",
+    ]
 
 
 # -- memory pruning ------------------------------------------------------------------------------
 def test_memory_estimate_orders_stages_and_grows_with_micro_batch() -> None:
-    info = ModelInfo(num_params=1_000_000, largest_layer_params=10_000, activation_bytes_per_sample=1e6)
+    info = ModelInfo(
+        num_params=1_000_000, largest_layer_params=10_000, activation_bytes_per_sample=1e6
+    )
     need = {s: memory_needed(Point(s, 4, 1), info, 4, mixed=False) for s in range(4)}
     assert need[0] > need[1] > need[2] > need[3]
     assert need[0] == 16_000_000 + 4_000_000  # fp32 params, grads, Adam; 4 samples
@@ -187,7 +196,9 @@ def _synthetic(point: Point) -> float:
 
 def test_model_based_finds_the_best_in_a_third_of_the_grid() -> None:
     space = build_space({"train_batch_size": 64}, at(num_tuning_micro_batch_sizes=5), 2)
-    grid = search(make_tuner("gridsearch", space.points, "throughput"), lambda p: (_synthetic(p), p), 100, 0)
+    grid = search(
+        make_tuner("gridsearch", space.points, "throughput"), lambda p: (_synthetic(p), p), 100, 0
+    )
     assert len(grid) == len(space) == 20
     best = max(_synthetic(p) for p, _ in grid)
     tuner = ModelBasedTuner(space.points, "throughput")
@@ -201,7 +212,9 @@ def test_early_stopping_and_failures() -> None:
     points = [Point(0, m, 1) for m in (1, 2, 4, 8, 16)]
     # the first trial is the best; two more without improvement stop the grid
     values = {1: 10.0, 2: 5.0, 4: 4.0, 8: 3.0, 16: 2.0}
-    trials = search(make_tuner("gridsearch", points, "throughput"), lambda p: (values[p.micro_batch], 0), 50, 2)
+    trials = search(
+        make_tuner("gridsearch", points, "throughput"), lambda p: (values[p.micro_batch], 0), 50, 2
+    )
     assert len(trials) == 3
     # failed experiments (None) count as no improvement but never stop the search by raising
     failing = search(make_tuner("random", points, "throughput"), lambda p: (None, 0), 50, 0)
