@@ -8,7 +8,9 @@ The model-based tuner starts from a prior order (larger micro-batches first: few
 per optimizer step; then lower ZeRO stages and no offload: less communication) and, once two
 trials are measured, fits a ridge least-squares model of ``log(metric)`` on simple features of a
 point (``1/micro_batch``, ``log2(micro_batch)``, one-hot ZeRO stage, offload, ``log`` bucket size)
-and measures the unmeasured point with the best prediction next, the prior breaking ties.
+and measures the unmeasured point with the best prediction next, the prior breaking ties. An axis
+(micro-batch, stage, offload, bucket) on which every measured point agrees is explored first
+(the next point in prior order that differs there), as the model knows nothing about it yet.
 """
 
 from __future__ import annotations
@@ -64,6 +66,14 @@ class RandomTuner(Tuner):
 
 def _prior_key(point: Point) -> tuple[float, ...]:
     return (-point.micro_batch, point.stage, point.offload != "none", -(point.bucket or 0))
+
+
+_AXES: tuple[Callable[[Point], object], ...] = (
+    lambda p: p.micro_batch,
+    lambda p: p.stage,
+    lambda p: p.offload,
+    lambda p: p.bucket,
+)
 
 
 def _features(point: Point) -> list[float]:
@@ -123,9 +133,26 @@ class ModelBasedTuner(Tuner):
             rows = [_features(p) for p, _ in self.measured]
             self.weights = _ridge(rows, [math.log(v) for _, v in self.measured])
 
+    def _unexplored(self) -> Point | None:
+        """The first pending point (prior order) that varies an axis every measured point shares:
+        the model cannot tell how that axis matters until it has seen two of its values."""
+        if not self.measured:
+            return None
+        for axis in _AXES:
+            seen = {axis(p) for p, _ in self.measured}
+            if len(seen) == 1:
+                other = next((p for p in self.pending if axis(p) not in seen), None)
+                if other is not None:
+                    return other
+        return None
+
     def next_point(self) -> Point | None:
         if not self.pending:
             return None
+        explore = self._unexplored()
+        if explore is not None:
+            self.pending.remove(explore)
+            return explore
         if self.weights is not None:
             sign = 1.0 if MAXIMIZED[self.metric] else -1.0
             # max() keeps the first of equals: the prior order breaks ties
@@ -136,6 +163,8 @@ class ModelBasedTuner(Tuner):
 
     def done_early(self, best: float | None) -> bool:
         if self.weights is None or best is None or not self.pending:
+            return False
+        if self._unexplored() is not None:
             return False
         predictions = [self.predict(p) or 0.0 for p in self.pending]
         if MAXIMIZED[self.metric]:

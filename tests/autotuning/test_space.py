@@ -223,3 +223,16 @@ def test_early_stopping_and_failures() -> None:
     tuner = make_tuner("gridsearch", points, "latency")
     assert tuner.better(1.0, 2.0) and not tuner.better(2.0, 1.0)
     assert not math.isnan(_synthetic(points[0]))
+
+
+def test_model_based_explores_each_axis_before_trusting_its_model() -> None:
+    space = build_space({"train_batch_size": 32}, at(), 2)  # 4 stages x micro-batch 1, 4, 16
+    measured = {  # samples/s as measured on 2 CPU ranks (example GPT)
+        (0, 16): 772, (1, 16): 731, (2, 16): 600, (3, 16): 260, (0, 4): 215, (1, 4): 200,
+        (2, 4): 180, (3, 4): 50, (0, 1): 150, (1, 1): 140, (2, 1): 120, (3, 1): 16,
+    }  # fmt: skip
+    tuner = ModelBasedTuner(space.points, "throughput")
+    trials = search(tuner, lambda p: (measured[p.stage, p.micro_batch], p), 50, 5)
+    # the prior's first pick; another micro-batch; another stage; then the model stops the search
+    assert [p.name for p, _ in trials] == ["z0_mbs16_gas1", "z0_mbs4_gas4", "z1_mbs16_gas1"]
+    assert tuner.done_early(772.0)
