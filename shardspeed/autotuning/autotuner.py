@@ -68,6 +68,7 @@ class Autotuner:
         self.exps_dir, self.results_dir = at.exps_dir, at.results_dir
         if at.overwrite:
             for folder in (self.exps_dir, self.results_dir):
+                _check_removable(folder, config_file)
                 shutil.rmtree(folder, ignore_errors=True)
         os.makedirs(self.exps_dir, exist_ok=True)
         os.makedirs(self.results_dir, exist_ok=True)
@@ -264,6 +265,19 @@ class Autotuner:
         args.log_level, args.quiet = self.args.log_level, self.args.quiet
         logger.info(f"autotuning: launching {' '.join(self.optimal_cmd)}")
         return runner.run(args)
+
+
+def _check_removable(folder: str, config_file: str) -> None:
+    """``overwrite`` empties the results and experiment folders: refuse one that holds the
+    working directory or the config file (e.g. ``exps_dir: "."``)."""
+    target = os.path.realpath(folder)
+    for inside in (os.getcwd(), os.path.dirname(os.path.realpath(config_file))):
+        if os.path.commonpath([target, os.path.realpath(inside)]) == target:
+            raise AutotuningError(
+                f"autotuning.overwrite would delete {folder!r}, which holds {inside!r}; point "
+                "exps_dir/results_dir at folders of their own (the defaults: autotuning_exps, "
+                "autotuning_results)"
+            )
 
 
 def autotune(args: argparse.Namespace, active_resources: dict[str, list[int]]) -> int:

@@ -4,7 +4,9 @@ The autotuner launches the user's script with an experiment config whose ``autot
 is enabled and names a ``metric_path``. The engine then times optimizer steps
 ``start_profile_step`` to ``end_profile_step`` and, as DeepSpeed does, writes
 ``{"throughput", "latency", "flops"}`` to that file on global rank 0 and ends the process: an
-experiment needs no more steps. With ``autotuning.model_info.profile`` the engine instead counts
+experiment needs no more steps. ``latency`` is the median step time over the window (seconds),
+``throughput`` the samples per second at that latency, ``flops`` about ``6 * params * tokens``
+per second. With ``autotuning.model_info.profile`` the engine instead counts
 the model's parameters and the activation bytes one training micro-step saves for backward (device
 independent: the tensors autograd keeps, parameters excluded), writes them to ``model_info_path``
 and ends the process; the autotuner prunes its search space with those figures.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import time
 from typing import Any
@@ -86,6 +89,7 @@ class AutotuningProbe:
         self.hidden_size = _hidden_size(module)
         self.tokens_per_sample = 1
         self._t0: float | None = None
+        self._step_times: list[float] = []
         self._counter: _SavedTensorCounter | None = None
         self._handles: list[Any] = []
         counter = _SavedTensorCounter(module) if model_info_path else None
@@ -137,12 +141,15 @@ class AutotuningProbe:
         if self.model_info_path:
             self._write_model_info()
             self._exit()
-        if global_steps == self.start_step:
-            self._t0 = time.perf_counter()
-        elif global_steps >= self.end_step and self._t0 is not None:
-            elapsed = time.perf_counter() - self._t0
-            steps = global_steps - self.start_step
-            latency = elapsed / steps
+        now = time.perf_counter()
+        if global_steps > self.start_step and self._t0 is not None:
+            self._step_times.append(now - self._t0)
+        if global_steps >= self.start_step:
+            self._t0 = now
+        if global_steps >= self.end_step and self._step_times:
+            # the median step: one step slowed by another process on a shared machine does not
+            # move it (DeepSpeed takes the mean over the window)
+            latency = statistics.median(self._step_times)
             throughput = self.train_batch_size / latency
             # training costs about 6 FLOPs per parameter per token (forward 2, backward 4)
             flops = 6.0 * self.params["num_params"] * self.tokens_per_sample * throughput

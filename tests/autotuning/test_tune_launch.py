@@ -20,7 +20,7 @@ from shardspeed.launcher import runner
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = str(REPO / "examples" / "train_gpt.py")
-SCRIPT_ARGS = ["--n_layer", "1", "--n_embd", "32", "--steps", "20"]
+SCRIPT_ARGS = ["--n_layer", "1", "--n_embd", "32", "--steps", "25"]
 
 
 def write_config(folder: Path, **autotuning: Any) -> Path:
@@ -33,8 +33,8 @@ def write_config(folder: Path, **autotuning: Any) -> Path:
         "zero_optimization": {"stage": [0, 3]},
         "autotuning": {
             "enabled": True,
-            "start_profile_step": 1,
-            "end_profile_step": 5,
+            "start_profile_step": 2,
+            "end_profile_step": 22,
             "num_tuning_micro_batch_sizes": 3,
             "tuner_early_stopping": 0,
             "model_info_path": str(folder.parent / "model_info.json"),
@@ -120,7 +120,7 @@ def test_run_prunes_what_does_not_fit_and_launches_the_job_with_the_choice(work:
     # the prior picks the largest micro-batch that fits: ZeRO-3 at 16; the job sees it
     assert [r["name"] for r in results(run_dir)] == ["z3_mbs16_gas1"]
     assert "micro-batch 16, accumulation 1, ZeRO stage 3" in done.stdout, done.stdout[-2000:]
-    assert "done: 20 steps" in done.stdout
+    assert "done: 25 steps" in done.stdout
 
     # a resumed tune (overwrite off) reuses the recorded experiment instead of launching it
     at = json.loads(cfg.read_text())
@@ -161,3 +161,16 @@ def test_a_script_without_a_config_file_is_refused() -> None:
     args = argparse.Namespace(user_args=["--steps", "3"], user_script="s.py")
     with pytest.raises(ValueError, match="--deepspeed_config cfg.json"):
         Autotuner(args, {"localhost": [0, 1]})
+
+
+def test_overwrite_never_empties_the_working_directory(tmp_path: Path) -> None:
+    cfg = write_config(tmp_path, exps_dir=".", model_info={"num_params": 10})
+    args = runner.parse_args(["--num_gpus", "2", EXAMPLE, "--deepspeed_config", str(cfg)])
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        with pytest.raises(AutotuningError, match="would delete '.'"):
+            Autotuner(args, {"localhost": [0, 1]})
+    finally:
+        os.chdir(cwd)
+    assert cfg.is_file()
