@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -67,18 +68,23 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _cause(returncode: int, stderr_path: str) -> tuple[str, str]:
-    try:
-        with open(stderr_path, errors="replace") as fd:
-            text = fd.read()
-    except OSError:
-        text = ""
+def _cause(returncode: int, exp_dir: str) -> tuple[str, str]:
+    text = ""
+    for log in ("stdout.log", "stderr.log"):  # the launcher logs to stdout, ranks to both
+        try:
+            with open(os.path.join(exp_dir, log), errors="replace") as fd:
+                text += fd.read()
+        except OSError:
+            pass
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     lowered = text.lower()
     if any(marker in lowered for marker in _OOM_MARKERS):
         hit = next((ln for ln in lines if any(m in ln.lower() for m in _OOM_MARKERS)), "")
         return "oom", hit[-300:]
-    last = lines[-1][-300:] if lines else ""
+    # the launcher's summary of a failed rank, else the last exception line, else the last line
+    summary = [ln.split(" failed: ", 1)[1] for ln in lines if re.search(r"rank \d+ failed: ", ln)]
+    raised = [ln for ln in lines if re.match(r"[\w.]+(Error|Exception|Interrupt)\b", ln)]
+    last = (summary or raised or lines or [""])[-1][-300:]
     return "error", f"exit code {returncode}: {last}" if last else f"exit code {returncode}"
 
 
@@ -141,6 +147,9 @@ def run_experiment(
             timed_out = True
             returncode = -1
             _stop(proc)
+        except BaseException:
+            _stop(proc)  # Ctrl-C or a signal on the tuner: its own session would outlive it
+            raise
     seconds = time.perf_counter() - start
     if timed_out:
         result = ExperimentResult(name, "timeout", cause=f"no metric after {timeout_s:.0f} s")
@@ -148,7 +157,7 @@ def run_experiment(
         with open(metric_path) as fd:
             result = ExperimentResult(name, "ok", metrics=json.load(fd))
     else:
-        status, cause = _cause(returncode, stderr_path)
+        status, cause = _cause(returncode, exp_dir)
         if returncode == 0:
             cause = "the script ended before end_profile_step (give it more steps)"
         result = ExperimentResult(name, status, cause=cause)
