@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardspeed.accelerator import get_accelerator
+
 __all__ = ["AutotuningProbe", "count_model_params"]
 
 
@@ -141,6 +143,8 @@ class AutotuningProbe:
         if self.model_info_path:
             self._write_model_info()
             self._exit()
+        if global_steps >= self.start_step:
+            get_accelerator().synchronize()  # the step's device work belongs to its time
         now = time.perf_counter()
         if global_steps > self.start_step and self._t0 is not None:
             self._step_times.append(now - self._t0)
