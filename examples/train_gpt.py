@@ -64,6 +64,12 @@ def main() -> None:
     )
     batches = deepspeed.utils.RepeatingLoader(loader)
     rank = deepspeed.comm.get_rank()
+    if rank == 0:  # what the config (or `shardspeed --autotuning run`) chose
+        print(
+            f"micro-batch {engine.train_micro_batch_size_per_gpu()}, accumulation "
+            f"{engine.gradient_accumulation_steps()}, ZeRO stage {engine.zero_optimization_stage()}",
+            flush=True,
+        )
     if args.resume:
         path, _ = engine.load_checkpoint(args.save_dir)
         if rank == 0:

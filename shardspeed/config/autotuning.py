@@ -19,7 +19,8 @@ class DeepSpeedAutotuningConfig(DeepSpeedConfigModel):
     enabled: bool = False
     """Enable autotuning (driven by ``shardspeed --autotuning``)."""
     fast: bool = True
-    """Tune only the micro-batch size and ZeRO stage."""
+    """Tune only the micro-batch size and ZeRO stage (off: also optimizer offload and
+    reduce/prefetch bucket sizes)."""
     results_dir: str = "autotuning_results"
     """Where the summaries are written."""
     exps_dir: str = "autotuning_exps"
@@ -58,3 +59,8 @@ class DeepSpeedAutotuningConfig(DeepSpeedConfigModel):
     """Cached model information."""
     model_info: dict[str, Any] | None = None
     """Model information given inline (e.g. ``num_params``)."""
+    memory_limit_gb: float | None = Field(default=None, gt=0)
+    """shardspeed: memory per rank (GiB) a configuration may need; default the accelerator's
+    (on CPU ranks, the machine's over the local ranks). Points estimated above it never launch."""
+    experiment_timeout_s: float = Field(default=600.0, gt=0)
+    """shardspeed: wall-clock limit of one experiment; a slower one is recorded as a timeout."""

@@ -102,7 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force_multi", action="store_true", help="use the backend even for 1 node")
     p.add_argument("--save_pid", action="store_true", help="write pids to /tmp/<pid>.shardspeed")
     p.add_argument("--enable_each_rank_log", default="None", help="directory for per-rank logs")
-    p.add_argument("--autotuning", default="", choices=["tune", "run", ""], help="(reserved)")
+    p.add_argument(
+        "--autotuning",
+        default="",
+        choices=["tune", "run", ""],
+        help="tune: search the config's autotuning space and write the best config; "
+        "run: tune, then launch the job with it",
+    )
     p.add_argument("--elastic_training", action="store_true", help="(not implemented yet)")
     p.add_argument("--bind_cores_to_rank", action="store_true", help="pin each rank to cores")
     p.add_argument("--bind_core_list", default=None, help="cores to share out, e.g. 0-3,8-11")
@@ -149,11 +155,6 @@ def parse_args(args: list[str] | None = None) -> argparse.Namespace:
 
 def check_args(args: argparse.Namespace) -> None:
     """Reject flag combinations that cannot work, naming the fix."""
-    if args.autotuning:
-        raise ValueError(
-            "--autotuning is reserved and not implemented in shardspeed yet; run the job "
-            "without it and tune the config by hand"
-        )
     if args.elastic_training:
         raise ValueError(
             "--elastic_training is not implemented in shardspeed yet; launch a fixed-size "
@@ -321,6 +322,10 @@ def run(args: argparse.Namespace) -> int:
     resources, from_hostfile = resolve_resources(args)
     world = sum(len(s) for s in resources.values())
     logger.info(f"{world} rank(s) on {len(resources)} node(s): {resources}")
+    if args.autotuning:
+        from shardspeed.autotuning.autotuner import autotune  # imports torch only when tuning
+
+        return autotune(args, resources)
     multi_node = args.force_multi or len(resources) > 1
     if args.no_ssh or not multi_node:
         node_rank = _no_ssh_node_rank(args, resources) if args.no_ssh else 0

@@ -29,6 +29,7 @@ from shardspeed.accelerator import get_accelerator
 from shardspeed.comm.parallel_topology import current_topology
 from shardspeed.compression.scheduler import build_compression_scheduler
 from shardspeed.runtime import checkpointer
+from shardspeed.runtime.autotuning_probe import AutotuningProbe
 from shardspeed.runtime.checkpoint_format import CheckpointFormat
 from shardspeed.runtime.checkpoint_writer import PendingSave
 from shardspeed.runtime.data_pipeline.engine_hooks import DataEfficiencyHooks
@@ -148,6 +149,14 @@ class DeepSpeedEngine(
         self.compression_scheduler = build_compression_scheduler(
             self.module, self._config.compression_training
         )
+        #: times an autotuning experiment and ends it (None outside ``shardspeed --autotuning``)
+        self.autotuning_probe = AutotuningProbe.from_config(
+            parts.config,
+            self.module,
+            self.global_rank,
+            self.train_batch_size(),
+            self.train_micro_batch_size_per_gpu(),
+        )
 
     # -- the training verbs -------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -248,6 +257,8 @@ class DeepSpeedEngine(
             if self.eigenvalue is not None:
                 self.observability.monitor.write_events(self.eigenvalue.events(self.global_samples))
             self._report_progress()
+            if self.autotuning_probe is not None:
+                self.autotuning_probe.after_step(self.global_steps)
         self.state.end_micro_step()
         self.observability.after_step(boundary, self.get_lr(), self.loss_scale)
 

@@ -55,7 +55,6 @@ def test_launcher_args_starting_with_dash() -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--autotuning", "tune", "s.py"], "--autotuning is reserved and not implemented"),
         (["--elastic_training", "s.py"], "--elastic_training is not implemented in shardspeed yet"),
         (["--module", "--no_python", "s.py"], "--module and --no_python contradict each other"),
         (["--master_port", "70000", "s.py"], "--master_port 70000 is not a TCP port; use 1..65535"),
