@@ -191,3 +191,31 @@ def refusal_case() -> str:
     except NotImplementedError as error:
         return str(error)
     return ""
+
+
+def rollout_case() -> dict[str, Any]:
+    """``HybridEngineRollout`` over a ZeRO-3 hybrid engine: greedy (2 samples per prompt) and
+    sampled rollouts."""
+    from types import SimpleNamespace
+
+    from shardspeed.runtime.rollout import HybridEngineRollout, RolloutRequest, SamplingConfig
+
+    model = tiny_llama()
+    reference = copy.deepcopy(model).eval()
+    engine, *_ = shardspeed.initialize(model=model, config=hybrid_config())
+    ids = prompts(batch=2, length=4)
+    rollout = HybridEngineRollout(engine, SimpleNamespace(pad_token_id=0, eos_token_id=None))
+    request = RolloutRequest(ids, torch.ones_like(ids))
+    greedy = rollout.generate(request, SamplingConfig(6, temperature=0.0, n_samples_per_prompt=2))
+    expected = reference.generate(ids, max_new_tokens=6, do_sample=False)
+    sampled = rollout.generate(request, SamplingConfig(5, temperature=1.0, top_k=8))
+    rollout.sync_weights_from_student(0)
+    out = {
+        "shape": tuple(greedy.input_ids.shape),
+        "equal": bool(torch.equal(greedy.input_ids, expected.repeat_interleave(2, dim=0))),
+        "starts": greedy.response_start_idx.tolist(),
+        "mask_all": bool(greedy.attention_mask.all()),
+        "sampled_shape": tuple(sampled.input_ids.shape),
+    }
+    engine.destroy()
+    return out
