@@ -1,6 +1,6 @@
 """TRL's trainers with a ZeRO-3 reference model (DPO, KTO, GRPO and RLOO with ``beta > 0``) on
-shardspeed, and TRL's ZeRO-3 generation path (``unwrap_model_for_generation`` gathering the model and taking
-the hooks off through ``engine.optimizer.parameter_offload``).
+shardspeed, and TRL's ZeRO-3 generation path (``unwrap_model_for_generation`` gathering the
+model and taking the hooks off through ``engine.optimizer.parameter_offload``).
 
 TRL's ``prepare_deepspeed`` builds the reference model's engine from the policy's config plus
 dotted top-level keys meaning nested overrides (``"zero_optimization.reduce_bucket_size":
@@ -10,8 +10,9 @@ a dotted key that names no real key, with the closest valid one. One ``torchrun`
 ranks, the compatibility package installed) runs ``scripts/trl_reference.py``: a tiny Llama
 and a word-level tokenizer built locally, 2 steps of each trainer. At the first step the policy
 and the reference are the same weights in two ZeRO-3 engines, so DPO's loss is exactly
-``log 2``, KTO's, GRPO's and RLOO's KL are 0. GRPO and RLOO generate with ``ds3_gather_for_generation=True``;
-the ``unwrap`` case checks that path's tokens and the training after it exactly.
+``log 2``, KTO's, GRPO's and RLOO's KL are 0. GRPO and RLOO generate with
+``ds3_gather_for_generation=True``; the ``unwrap`` case checks that path's tokens and the
+training after it exactly.
 """
 
 from __future__ import annotations

@@ -55,13 +55,13 @@ def gathers() -> int:
     return sum(int(v["count"]) for op, v in volume.items() if "gather" in op)
 
 
-def generate_case(new_tokens: list[int], **hybrid: Any) -> dict[str, Any]:
+def generate_case(new_tokens: list[int], stage: int = 3, **hybrid: Any) -> dict[str, Any]:
     """Tokens of the hybrid engine at ZeRO-3 and of the unpartitioned model (this process,
     Hugging Face's greedy generate), and all-gathers per call: of the hybrid engine and of the
     training engine's hooks generating, for each count of new tokens."""
     model = tiny_llama()
     reference = copy.deepcopy(model).eval()
-    engine, *_ = shardspeed.initialize(model=model, config=hybrid_config(**hybrid))
+    engine, *_ = shardspeed.initialize(model=model, config=hybrid_config(stage, **hybrid))
     ids = prompts()
     out: dict[str, Any] = {"kind": type(engine).__name__, "equal": [], "hybrid": [], "hooks": []}
     for new in new_tokens:

@@ -29,6 +29,14 @@ def test_generate_under_zero3_matches_the_whole_model_with_one_gather_per_module
 
 
 @pytest.mark.timeout(240)
+def test_generate_below_stage3_gathers_nothing(dist_pool):
+    for rank in dist_pool(2).run(generate_case, [4], stage=2):
+        assert rank["kind"] == "DeepSpeedHybridEngine"
+        assert rank["equal"] == [True] and rank["fused"]
+        assert rank["hybrid"] == [0]
+
+
+@pytest.mark.timeout(240)
 def test_unpinned_generation_gathers_through_the_hooks(dist_pool):
     pool = dist_pool(2)
     for rank in pool.run(generate_case, [4], pin_parameters=False):
