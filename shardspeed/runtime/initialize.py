@@ -13,6 +13,7 @@ from shardspeed.config import DeepSpeedConfig, DeepSpeedConfigError
 from shardspeed.config.batch import BatchSizeError
 from shardspeed.runtime.assembly import assemble
 from shardspeed.runtime.engine import DeepSpeedEngine
+from shardspeed.runtime.hybrid_engine import DeepSpeedHybridEngine, check_hybrid_config
 from shardspeed.runtime.pipe import assembly as pipe_assembly
 from shardspeed.runtime.pipe.engine import PipelineEngine
 from shardspeed.runtime.pipe.module import PipelineModule
@@ -161,6 +162,14 @@ def initialize(
         ds_config.tensor_parallel.autotp_size = autotp
     if pipeline is not None:
         pipe_assembly.check_pipeline_config(ds_config, pipeline)
+        if ds_config.hybrid_engine.enabled:
+            raise ValueError(
+                "hybrid_engine.enabled with a PipelineModule: the hybrid engine generates with "
+                "the whole model on each rank; remove hybrid_engine or train without pipeline "
+                "stages"
+            )
+    if ds_config.hybrid_engine.enabled:  # refused before any part is built
+        check_hybrid_config(ds_config.hybrid_engine)
     parts = assemble(
         ds_config,
         model,
@@ -175,6 +184,8 @@ def initialize(
     if pipeline is not None:
         pipe_assembly.attach_pipeline_norm(parts, pipeline)
         engine: DeepSpeedEngine = PipelineEngine(parts)
+    elif ds_config.hybrid_engine.enabled:
+        engine = DeepSpeedHybridEngine(parts)
     else:
         engine = DeepSpeedEngine(parts)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

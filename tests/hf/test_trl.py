@@ -1,6 +1,6 @@
-"""TRL's trainers with a ZeRO-3 reference model (DPO, KTO, GRPO with ``beta > 0``) on shardspeed,
-and TRL's ZeRO-3 generation path (``unwrap_model_for_generation`` gathering the model and taking
-the hooks off through ``engine.optimizer.parameter_offload``).
+"""TRL's trainers with a ZeRO-3 reference model (DPO, KTO, GRPO and RLOO with ``beta > 0``) on
+shardspeed, and TRL's ZeRO-3 generation path (``unwrap_model_for_generation`` gathering the
+model and taking the hooks off through ``engine.optimizer.parameter_offload``).
 
 TRL's ``prepare_deepspeed`` builds the reference model's engine from the policy's config plus
 dotted top-level keys meaning nested overrides (``"zero_optimization.reduce_bucket_size":
@@ -10,8 +10,9 @@ a dotted key that names no real key, with the closest valid one. One ``torchrun`
 ranks, the compatibility package installed) runs ``scripts/trl_reference.py``: a tiny Llama
 and a word-level tokenizer built locally, 2 steps of each trainer. At the first step the policy
 and the reference are the same weights in two ZeRO-3 engines, so DPO's loss is exactly
-``log 2``, KTO's KL and GRPO's KL are 0. GRPO generates with ``ds3_gather_for_generation=True``;
-the ``unwrap`` case checks that path's tokens and the training after it exactly.
+``log 2``, KTO's, GRPO's and RLOO's KL are 0. GRPO and RLOO generate with
+``ds3_gather_for_generation=True``; the ``unwrap`` case checks that path's tokens and the
+training after it exactly.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from hf_common import ds_config  # noqa: E402
 
 HIDDEN = 32  # scripts/trl_reference.py's model
-CASES = ("dpo", "kto", "grpo")
+CASES = ("dpo", "kto", "grpo", "rloo")
 #: scripts/trl_reference.py's case running TRL's unwrap_model_for_generation on its own
 UNWRAP = "unwrap"
 
@@ -157,6 +158,10 @@ def test_reference_models_at_zero3(compat_site: Path, tmp_path: Path) -> None:
             assert first["kl"] == pytest.approx(0.0, abs=1e-6)
             assert first["loss"] == pytest.approx(0.5, abs=1e-6)
             assert second["rewards/chosen"] != 0.0
+        elif case == "rloo":  # generates through the gathered path, as GRPO; the KL grows
+            assert first["kl"] == pytest.approx(0.0, abs=1e-6) and second["kl"] > 0.0
+            assert first["grad_norm"] > 0.0 and first["completions/mean_length"] > 0
+            assert all(result["hooks_removed"] >= 2 for result in ranks), case
         else:  # grpo, beta > 0: the KL to the reference is 0, then grows
             assert first["kl"] == pytest.approx(0.0, abs=1e-6)
             assert second["kl"] > 0.0

@@ -1,8 +1,8 @@
-"""TRL's trainers with a ZeRO-3 reference model on shardspeed: DPO, KTO and GRPO (``beta > 0``,
-generating through TRL's gathered path, ``ds3_gather_for_generation=True``), and TRL's
+"""TRL's trainers with a ZeRO-3 reference model on shardspeed: DPO, KTO, GRPO and RLOO (``beta >
+0``, generating through TRL's gathered path, ``ds3_gather_for_generation=True``), and TRL's
 ``unwrap_model_for_generation`` on its own (case ``unwrap``).
 
-Usage: ``<launcher> trl_reference.py OUT [--cases dpo,kto,grpo,unwrap]`` (2 ranks, CPU, gloo, the
+Usage: ``<launcher> trl_reference.py OUT [--cases dpo,kto,grpo,rloo,unwrap]`` (2 ranks, CPU, gloo, the
 ``deepspeed`` compatibility package importable). Rank 0 saves a tiny Llama and a word-level
 tokenizer built locally (nothing is downloaded); each trainer loads the policy from that folder
 under ZeRO-3 and builds its reference model from the same folder, which TRL's
@@ -115,6 +115,21 @@ def trainer_for(case: str, model_dir: Path, out: Path) -> Any:
 
         args = KTOConfig(**kwargs, beta=0.1, max_length=16)
         return KTOTrainer(str(model_dir), args=args, train_dataset=data, processing_class=tokenizer)
+    if case == "rloo":
+        from trl import RLOOConfig, RLOOTrainer
+
+        # generates through the same gathered path as GRPO (ds3_gather_for_generation=True)
+        args = RLOOConfig(
+            **kwargs, beta=0.1, num_generations=2, max_completion_length=4,
+            ds3_gather_for_generation=True,
+        )  # fmt: skip
+        return RLOOTrainer(
+            str(model_dir),
+            reward_funcs=length_reward,
+            args=args,
+            train_dataset=data,
+            processing_class=tokenizer,
+        )
     from trl import GRPOConfig, GRPOTrainer
 
     # ds3_gather_for_generation=True (TRL's default): generate() runs on the gathered model with
