@@ -20,6 +20,7 @@ _NAMES = {
     "TiledLinear": "shardspeed.runtime.zero.tiling",
     "TiledLinearReturnBias": "shardspeed.runtime.zero.tiling",
     "MiCS_Init": "shardspeed.runtime.zero.mics_init",
+    "unwrap_model_for_generation": "shardspeed.runtime.unwrap_generation",
 }
 
 __all__ = sorted(_NAMES)

@@ -219,3 +219,36 @@ def rollout_case() -> dict[str, Any]:
     }
     engine.destroy()
     return out
+
+
+def unwrap_case(new: int = 8) -> dict[str, Any]:
+    """``runtime.zero.unwrap_model_for_generation`` on a plain ZeRO-3 training engine: tokens
+    against the whole model in this process, all-gathers inside the block, and a training step
+    after it equal to one of an engine that never generated."""
+    from shardspeed.runtime.zero import unwrap_model_for_generation
+
+    config = hybrid_config()
+    del config["hybrid_engine"]
+    out: dict[str, Any] = {}
+    losses = []
+    for generate in (True, False):
+        model = tiny_llama()
+        reference = copy.deepcopy(model).eval()
+        engine, *_ = shardspeed.initialize(model=model, config=config)
+        if generate:
+            ids = prompts()
+            comm.reset_comm_volume()
+            with unwrap_model_for_generation(engine) as unwrapped:
+                gathered = gathers()
+                got = unwrapped.generate(ids, max_new_tokens=new, do_sample=False)
+                out["gathers_in_generate"] = gathers() - gathered
+            out["gathers"] = gathered
+            out["equal"] = bool(torch.equal(got, reference.generate(ids, max_new_tokens=new)))
+            out["training_mode"] = engine.module.training
+        loss = _loss(engine, 0)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(_loss(engine, 1)))
+        engine.destroy()
+    out["losses_equal"] = losses[0] == losses[1]
+    return out

@@ -68,3 +68,14 @@ def test_lora_is_fused_for_generation_only(dist_pool):
 def test_inference_tensor_parallelism_is_refused(dist_pool):
     for message in dist_pool(2).run(refusal_case):
         assert "inference_tp_size=2" in message and "not built" in message
+
+
+@pytest.mark.timeout(240)
+def test_unwrap_model_for_generation_gathers_once(dist_pool):
+    from tests.runtime.hybrid_engine.ranks import unwrap_case
+
+    for rank in dist_pool(2).run(unwrap_case):
+        assert rank["equal"]  # the whole model's greedy tokens
+        assert rank["gathers"] > 0 and rank["gathers_in_generate"] == 0  # once, not per token
+        assert rank["training_mode"]  # the engine's module was never switched
+        assert rank["losses_equal"]  # training after it is untouched
