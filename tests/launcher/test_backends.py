@@ -246,3 +246,12 @@ def test_registry() -> None:
         "unknown --launcher 'torchrun'; choose one of pdsh, openmpi, mvapich, mpich, impi, slurm"
     )
     PDSHRunner().validate(plan(launch_flags=("--bind_cores_to_rank",)))  # pdsh honours them
+
+
+def test_backends_never_inherit_a_rank_identity() -> None:
+    # a launch from a process with a rank (RANK/WORLD_SIZE exported by an in-process engine)
+    environ = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "PATH": "/bin", "NCCL_X": "1"}
+    for runner in (OpenMPIRunner(), PDSHRunner()):
+        env = runner.get_env(plan(), environ)
+        assert not {"RANK", "WORLD_SIZE", "LOCAL_RANK"} & set(env), runner.name
+        assert env["PATH"] == "/bin" and env["NCCL_X"] == "1"

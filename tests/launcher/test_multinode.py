@@ -121,6 +121,11 @@ def test_openmpi_two_ranks(hostfile) -> None:
         "--steps",
         "3",
         timeout=80,
+        # launched from a process that has a rank itself (an engine built in-process exports
+        # these): the MPI ranks must still take theirs from mpirun, not all be rank 0 of 1
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert_trained(result.stdout, 2)

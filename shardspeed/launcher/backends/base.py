@@ -52,6 +52,27 @@ class LaunchPlan:
         return sum(len(slots) for slots in self.resources.values())
 
 
+#: one process's rank identity (torchrun's variables, which ``init_distributed`` also exports):
+#: never handed to a backend, whose ranks learn theirs from it (MPI, Slurm) or from launch.py
+RANK_IDENTITY = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "GROUP_WORLD_SIZE",
+)
+
+
+def launching_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` without :data:`RANK_IDENTITY`: launched from inside a process that already has
+    a rank (an in-process engine, an outer job), every rank of the new job would otherwise read
+    that one identity and ignore the backend's (all of them rank 0 of a world of 1)."""
+    return {k: v for k, v in environ.items() if k not in RANK_IDENTITY}
+
+
 def rank_program(plan: LaunchPlan) -> list[str]:
     """The argv one rank runs: ``python -u [-m] script args`` or, with ``--no_python``, the program."""
     if plan.no_python:
@@ -123,8 +144,9 @@ class MultiNodeRunner(ABC):
         """The argv that starts the whole job."""
 
     def get_env(self, plan: LaunchPlan, environ: Mapping[str, str]) -> dict[str, str]:
-        """The environment of the backend process itself (the launching machine's, by default)."""
-        return dict(environ)
+        """The environment of the backend process itself: the launching machine's, less any
+        rank identity it carries (:func:`launching_env`)."""
+        return launching_env(environ)
 
 
 class PooledRunner(MultiNodeRunner):

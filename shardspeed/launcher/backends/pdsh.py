@@ -90,7 +90,7 @@ class PDSHRunner(MultiNodeRunner):
 
     def get_env(self, plan: LaunchPlan, environ: Mapping[str, str]) -> dict[str, str]:
         """ssh by default (pdsh's own default may be rsh), and ``--ssh_port`` passed to ssh."""
-        env = dict(environ)
+        env = super().get_env(plan, environ)
         env.setdefault("PDSH_RCMD_TYPE", "ssh")
         if plan.ssh_port is not None:
             extra = env.get("PDSH_SSH_ARGS_APPEND", "")
