@@ -185,7 +185,9 @@ class Autotuner:
                 f"autotuning: no configuration fits in {limit / GB:.3f} GiB per rank (the "
                 f"smallest, {least.point.name}, needs {least.needed / GB:.3f} GiB by the memory "
                 "estimate); raise autotuning.memory_limit_gb, allow ZeRO-3 or offload "
-                '(zero_optimization.stage "auto", autotuning.fast false), or lower '
+                '(zero_optimization.stage "auto", autotuning.fast false), activation '
+                'checkpointing (autotuning.activation_checkpointing "auto") or tensor '
+                'parallelism (tensor_parallel.autotp_size "auto"), or lower '
                 "min_train_micro_batch_size_per_gpu"
             )
         logger.info(

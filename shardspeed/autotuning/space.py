@@ -277,7 +277,7 @@ def checkpointing_choices(at: Any) -> list[bool | None]:
         return [value]
     choices: list[bool | None] = [False, True] if is_auto(value) else [bool(v) for v in value]
     if not choices:
-        raise AutotuningSpaceError(f"{CKPT_KEY} is an empty list; give [false, true] or \"auto\"")
+        raise AutotuningSpaceError(f'{CKPT_KEY} is an empty list; give [false, true] or "auto"')
     if CKPT_KEY not in (at.arg_mappings or {}):
         raise AutotuningSpaceError(
             f"{CKPT_KEY} is tuned but autotuning.arg_mappings does not map it to the script; add "
