@@ -28,13 +28,13 @@ def test_trainer_script_is_tuned_through_arg_mappings(compat_site: Path, tmp_pat
         "autotuning": {
             "enabled": True,
             "tuner_type": "model_based",
-            "tuner_num_trials": 4,
+            "tuner_num_trials": 3,
             "tuner_early_stopping": 0,
             "start_profile_step": 1,
             "end_profile_step": 3,
-            "min_train_micro_batch_size_per_gpu": 2,
-            "max_train_micro_batch_size_per_gpu": 8,
-            "num_tuning_micro_batch_sizes": 2,
+            # one micro-batch, 4, which must replace the script's 2 through arg_mappings
+            "min_train_micro_batch_size_per_gpu": 4,
+            "max_train_micro_batch_size_per_gpu": 4,
             "activation_checkpointing": "auto",
             "arg_mappings": {
                 "train_micro_batch_size_per_gpu": "--per_device_train_batch_size",
@@ -48,20 +48,19 @@ def test_trainer_script_is_tuned_through_arg_mappings(compat_site: Path, tmp_pat
     cmd = [sys.executable, "-m", "shardspeed.launcher.runner", "--autotuning", "tune",
            "--num_gpus", "2", "--master_port", str(free_port()),
            str(SCRIPTS / "autotune_trainer.py"), "--deepspeed", str(cfg),
-           "--output_dir", str(tmp_path / "out"), "--per_device_train_batch_size", "4",
+           "--output_dir", str(tmp_path / "out"), "--per_device_train_batch_size", "2",
            "--max_steps", "6"]  # fmt: skip
     done = subprocess.run(
         cmd, env=rank_env(compat_site), cwd=tmp_path, capture_output=True, text=True, timeout=760
     )
     assert done.returncode == 0, done.stderr[-4000:]
     rows = json.loads((tmp_path / "autotuning_results" / "results.json").read_text())
-    # the prior's first pick, then one trial per axis the model has not seen: micro-batch, the
-    # layout (TP 2), checkpointing
+    # the prior's first pick, then one trial per axis the model has not seen: the layout (TP 2),
+    # then checkpointing
     expected = {
-        "z0_tp1_sp1_mbs8_gas1_nockpt": "hf batch 8 accum 1 checkpointing False autotp 1",
-        "z0_tp1_sp1_mbs2_gas1_nockpt": "hf batch 2 accum 1 checkpointing False autotp 1",
-        "z0_tp2_sp1_mbs8_gas1_nockpt": "hf batch 8 accum 1 checkpointing False autotp 2",
-        "z0_tp1_sp1_mbs8_gas1_ckpt": "hf batch 8 accum 1 checkpointing True autotp 1",
+        "z0_tp1_sp1_mbs4_gas1_nockpt": "hf batch 4 accum 1 checkpointing False autotp 1",
+        "z0_tp2_sp1_mbs4_gas1_nockpt": "hf batch 4 accum 1 checkpointing False autotp 2",
+        "z0_tp1_sp1_mbs4_gas1_ckpt": "hf batch 4 accum 1 checkpointing True autotp 1",
     }
     assert [r["name"] for r in rows] == list(expected)
     assert all(r["status"] == "ok" and r["metrics"]["throughput"] > 0 for r in rows), rows
