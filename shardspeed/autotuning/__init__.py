@@ -1,5 +1,6 @@
 """Autotuning: ``shardspeed --autotuning tune|run`` searches ZeRO stage, micro-batch size (for a
-fixed global batch), offload and bucket sizes for the fastest configuration that fits in memory.
+fixed global batch), offload and bucket sizes, the tensor x sequence-parallel layout and activation
+checkpointing for the fastest configuration that fits in memory.
 
 Modules, one concept each: :mod:`.space` (the search space from the user's config),
 :mod:`.fit` (memory pruning), :mod:`.experiment` (one launch), :mod:`.tuner` (grid, random,

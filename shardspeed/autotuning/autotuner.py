@@ -9,6 +9,7 @@ launches the job with the best configuration (and the ``arg_mappings`` script ar
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -20,7 +21,13 @@ from shardspeed.autotuning.experiment import (
     launcher_argv,
     run_experiment,
 )
-from shardspeed.autotuning.fit import GB, ModelInfo, default_memory_limit, fit_points
+from shardspeed.autotuning.fit import (
+    GB,
+    ModelInfo,
+    default_memory_limit,
+    fit_points,
+    whole_model_info,
+)
 from shardspeed.autotuning.report import write_results
 from shardspeed.autotuning.space import (
     AutotuningSpaceError,
@@ -132,9 +139,14 @@ class Autotuner:
         if at.model_info_path and os.path.isfile(at.model_info_path):
             with open(at.model_info_path) as fd:
                 return dict(json.load(fd))
-        small = min(points, key=lambda p: (p.micro_batch, -min(p.stage, 2)))
+        # the fewest split ranks and checkpointing off if the space has them: the figures are
+        # then the whole model's; a split or checkpointed probe's are scaled back
+        small = min(
+            points,
+            key=lambda p: (p.tp_size * p.sp_size, bool(p.ckpt), p.micro_batch, -min(p.stage, 2)),
+        )
         # ZeRO-3 gathers parameters into new storage, which would count as activations
-        probe = Point(min(small.stage, 2), small.micro_batch, small.grad_accum)
+        probe = dataclasses.replace(small, stage=min(small.stage, 2), offload="none", bucket=None)
         path = os.path.abspath(os.path.join(self.exps_dir, PROFILE_EXP, "model_info.json"))
         section = self._autotuning_section(model_info={"profile": True}, model_info_path=path)
         logger.info(f"autotuning: profiling the model ({probe.name})")
@@ -146,10 +158,11 @@ class Autotuner:
                 "trains with this config, or give autotuning.model_info.num_params"
             )
         with open(path) as fd:
-            info = dict(json.load(fd))
+            info = whole_model_info(json.load(fd), probe)
         if at.model_info_path:
             os.makedirs(os.path.dirname(os.path.abspath(at.model_info_path)), exist_ok=True)
-            shutil.copyfile(path, at.model_info_path)
+            with open(at.model_info_path, "w") as fd:
+                json.dump(info, fd, indent=2)
         return info
 
     # -- the search -------------------------------------------------------------------------------
@@ -172,7 +185,9 @@ class Autotuner:
                 f"autotuning: no configuration fits in {limit / GB:.3f} GiB per rank (the "
                 f"smallest, {least.point.name}, needs {least.needed / GB:.3f} GiB by the memory "
                 "estimate); raise autotuning.memory_limit_gb, allow ZeRO-3 or offload "
-                '(zero_optimization.stage "auto", autotuning.fast false), or lower '
+                '(zero_optimization.stage "auto", autotuning.fast false), activation '
+                'checkpointing (autotuning.activation_checkpointing "auto") or tensor '
+                'parallelism (tensor_parallel.autotp_size "auto"), or lower '
                 "min_train_micro_batch_size_per_gpu"
             )
         logger.info(

@@ -9,6 +9,19 @@ divided by the data-parallel ranks from the stage that shards it (optimizer from
 Activations: the bytes per sample one profiled micro-step saved for backward
 (``shardspeed.runtime.autotuning_probe``), times the micro-batch size.
 
+The parallel layout: AutoTP splits (nearly) every weight, so a point with tensor-parallel size
+``tp`` holds ``1/tp`` of the parameters, which ZeRO then shards over the ``world / tp`` data x
+sequence-parallel ranks (the sequence-parallel ranks are ZeRO ranks too). Activations are divided
+by ``sp`` (each rank holds ``1/sp`` of every sequence) and, inside the split attention and MLP,
+by ``tp``: Megatron-style tensor parallelism splits about 24 of the 34 ``s*b*h`` activation
+bytes a transformer layer keeps and replicates the rest (Korthikanti et al., 2022), so
+activations scale by ``REPLICATED_ACTIVATIONS + (1 - REPLICATED_ACTIVATIONS) / tp``.
+
+Activation checkpointing divides the activation bytes by ``CHECKPOINTING_DIVISOR`` (2: the
+layer inputs kept plus one layer recomputed at a time save far more in deep models, but little
+in shallow ones where the logits dominate; 2 keeps the pruning on the safe side) unless the model
+info gives the measured figure, ``activation_bytes_per_sample_checkpointed``.
+
 The limit is ``autotuning.memory_limit_gb`` when set (e.g. to try a smaller device, or in
 tests), else the accelerator's memory, else (CPU ranks) the machine's memory over the local ranks.
 """
@@ -21,9 +34,22 @@ from typing import Any
 
 from shardspeed.autotuning.space import Point
 
-__all__ = ["Fit", "ModelInfo", "default_memory_limit", "fit_points", "memory_needed"]
+__all__ = [
+    "CHECKPOINTING_DIVISOR",
+    "REPLICATED_ACTIVATIONS",
+    "Fit",
+    "ModelInfo",
+    "default_memory_limit",
+    "fit_points",
+    "memory_needed",
+    "whole_model_info",
+]
 
 GB = 2**30
+#: activation bytes divided by this with activation checkpointing on (no measured figure)
+CHECKPOINTING_DIVISOR = 2.0
+#: the share of a transformer layer's activations tensor parallelism does not split (10 of 34)
+REPLICATED_ACTIVATIONS = 10.0 / 34.0
 
 
 @dataclass(frozen=True)
@@ -34,6 +60,7 @@ class ModelInfo:
     largest_layer_params: int = 0
     activation_bytes_per_sample: float = 0.0
     hidden_size: int | None = None
+    activation_bytes_per_sample_checkpointed: float | None = None
 
     @classmethod
     def from_dict(cls, info: dict[str, Any]) -> ModelInfo:
@@ -46,7 +73,21 @@ class ModelInfo:
             largest_layer_params=int(info.get("largest_layer_params", 0)),
             activation_bytes_per_sample=float(info.get("activation_bytes_per_sample", 0.0)),
             hidden_size=info.get("hidden_size"),
+            activation_bytes_per_sample_checkpointed=(
+                float(info["activation_bytes_per_sample_checkpointed"])
+                if info.get("activation_bytes_per_sample_checkpointed") is not None
+                else None
+            ),
         )
+
+    def activation_bytes(self, point: Point) -> float:
+        """Activation bytes one rank keeps for ``point``'s micro-batch and layout."""
+        per_sample = self.activation_bytes_per_sample
+        if point.ckpt:
+            measured = self.activation_bytes_per_sample_checkpointed
+            per_sample = measured if measured is not None else per_sample / CHECKPOINTING_DIVISOR
+        split = REPLICATED_ACTIVATIONS + (1.0 - REPLICATED_ACTIVATIONS) / point.tp_size
+        return per_sample * point.micro_batch * split / point.sp_size
 
 
 @dataclass(frozen=True)
@@ -59,7 +100,8 @@ class Fit:
 
 
 def _model_states(point: Point, info: ModelInfo, world: int, mixed: bool) -> float:
-    total = info.num_params
+    total = -(-info.num_params // point.tp_size)  # this rank's share of the split weights
+    largest = -(-info.largest_layer_params // point.tp_size)
     offload = point.offload != "none"
     if mixed and point.stage == 2:
         from shardspeed.runtime.zero.estimators import estimate_zero2_model_states_mem_needs
@@ -70,7 +112,7 @@ def _model_states(point: Point, info: ModelInfo, world: int, mixed: bool) -> flo
 
         return estimate_zero3_model_states_mem_needs(
             total,
-            info.largest_layer_params,
+            largest,
             world,
             1,
             cpu_offload=offload,
@@ -84,14 +126,34 @@ def _model_states(point: Point, info: ModelInfo, world: int, mixed: bool) -> flo
     if point.stage >= 2:
         grads /= world
     if point.stage >= 3:
-        params = params / world + 4 * info.largest_layer_params  # the gathered largest layer
+        params = params / world + 4 * largest  # the gathered largest layer
     return params + grads + (0 if offload else optim)
 
 
 def memory_needed(point: Point, info: ModelInfo, world: int, mixed: bool) -> int:
-    """Estimated bytes one rank needs for ``point``."""
-    states = _model_states(point, info, world, mixed)
-    return int(states + info.activation_bytes_per_sample * point.micro_batch)
+    """Estimated bytes one rank needs for ``point``; ``world``: the ranks the layout splits
+    (ZeRO shards over ``world / tp`` of them)."""
+    states = _model_states(point, info, max(world // point.tp_size, 1), mixed)
+    return int(states + info.activation_bytes(point))
+
+
+def whole_model_info(measured: dict[str, Any], probe: Point) -> dict[str, Any]:
+    """The whole model's figures from a profile run at ``probe``'s layout and checkpointing
+    (one rank of a split model counts its share): the inverse of :meth:`ModelInfo.
+    activation_bytes` and of the split in :func:`memory_needed`."""
+    info = dict(measured)
+    tp, sp = probe.tp_size, probe.sp_size
+    for key in ("num_params", "trainable_num_params", "largest_layer_params"):
+        if key in info:
+            info[key] = int(info[key]) * tp
+    per_sample = float(info.get("activation_bytes_per_sample", 0.0))
+    per_sample *= sp / (REPLICATED_ACTIVATIONS + (1.0 - REPLICATED_ACTIVATIONS) / tp)
+    if probe.ckpt:
+        info["activation_bytes_per_sample_checkpointed"] = per_sample
+        per_sample *= CHECKPOINTING_DIVISOR
+    info["activation_bytes_per_sample"] = per_sample
+    info["profiled_layout"] = {"tp": tp, "sp": sp, "activation_checkpointing": bool(probe.ckpt)}
+    return info
 
 
 def default_memory_limit(ranks_per_node: int) -> int:

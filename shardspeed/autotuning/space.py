@@ -12,6 +12,19 @@ fixed, micro-batch sizes are the divisors of the per-rank batch and the gradient
 follows (``train_batch_size = micro * accumulation * data-parallel ranks``); without it,
 accumulation stays at the user's value (1 when absent). ``num_tuning_micro_batch_sizes`` values
 are kept, spread geometrically from the smallest to the largest.
+
+The parallel layout is tuned only when the user asks: ``tensor_parallel.autotp_size`` and/or
+``sequence_parallel_size`` set to ``"auto"`` (every divisor of the world) or a list (those
+values, each a divisor of the world). A layout ``(tp, sp)`` needs ``tp * sp`` to divide the world;
+the data-parallel size is ``world / (tp * sp)`` and the batch triangle of that layout uses it, so
+each layout has its own micro-batch / accumulation pairs. Layouts with both ``tp`` and ``sp``
+above 1 are not generated: the engine refuses sequence parallelism with AutoTP. Pipeline
+parallelism is not an axis: it needs the user's ``PipelineModule``, which no config value makes.
+
+Activation checkpointing is an axis when ``autotuning.activation_checkpointing`` is ``"auto"``
+(off and on) or a list of booleans; the script gets the value through ``arg_mappings`` (the key
+``autotuning.activation_checkpointing``, e.g. mapped to a Trainer's ``--gradient_checkpointing``):
+a plain flag is given only when on, a flag ending in ``=`` is given as ``flag=true|false``.
 """
 
 from __future__ import annotations
@@ -28,10 +41,12 @@ __all__ = [
     "SearchSpace",
     "apply_arg_mappings",
     "build_space",
+    "checkpointing_choices",
     "config_path_in_args",
     "experiment_config",
     "get_dotted",
     "is_auto",
+    "layouts",
     "replace_config_path",
 ]
 
@@ -39,6 +54,10 @@ DEFAULT_STAGES = (0, 1, 2, 3)
 DEFAULT_OFFLOADS = ("none", "cpu")
 DEFAULT_BUCKETS = (50_000_000, 500_000_000)
 CONFIG_FLAGS = ("--deepspeed_config", "--deepspeed")
+TP_KEY = "tensor_parallel.autotp_size"
+SP_KEY = "sequence_parallel_size"
+CKPT_KEY = "autotuning.activation_checkpointing"
+_BOOL_WORDS = ("true", "false", "1", "0", "yes", "no")
 
 
 class AutotuningSpaceError(ValueError, AssertionError):
@@ -60,15 +79,34 @@ class Point:
     grad_accum: int
     offload: str = "none"
     bucket: int | None = None
+    #: tensor- and sequence-parallel sizes (None: the layout is not tuned, the config's stays)
+    tp: int | None = None
+    sp: int | None = None
+    #: activation checkpointing on/off (None: not tuned)
+    ckpt: bool | None = None
+
+    @property
+    def tp_size(self) -> int:
+        """The tensor-parallel size (1 when the layout is not tuned)."""
+        return self.tp or 1
+
+    @property
+    def sp_size(self) -> int:
+        """The sequence-parallel size (1 when the layout is not tuned)."""
+        return self.sp or 1
 
     @property
     def name(self) -> str:
-        """The experiment's name, e.g. ``z2_mbs4_gas2`` or ``z3_mbs8_gas1_offcpu_b5e+07``."""
-        name = f"z{self.stage}_mbs{self.micro_batch}_gas{self.grad_accum}"
+        """The experiment's name, e.g. ``z2_mbs4_gas2``, ``z3_tp2_sp1_mbs4_gas1`` or
+        ``z3_mbs8_gas1_offcpu_b5e+07_ckpt``."""
+        layout = f"_tp{self.tp_size}_sp{self.sp_size}" if self.tp or self.sp else ""
+        name = f"z{self.stage}{layout}_mbs{self.micro_batch}_gas{self.grad_accum}"
         if self.offload != "none":
             name += f"_off{self.offload}"
         if self.bucket is not None:
             name += f"_b{self.bucket:.0e}"
+        if self.ckpt is not None:
+            name += "_ckpt" if self.ckpt else "_nockpt"
         return name
 
     def values(self) -> dict[str, Any]:
@@ -83,6 +121,11 @@ class Point:
         if self.bucket is not None:
             key = "stage3_prefetch_bucket_size" if self.stage == 3 else "reduce_bucket_size"
             out[f"zero_optimization.{key}"] = self.bucket
+        if self.tp or self.sp:
+            out[TP_KEY] = self.tp_size
+            out[SP_KEY] = self.sp_size
+        if self.ckpt is not None:
+            out[CKPT_KEY] = self.ckpt
         return out
 
 
@@ -195,10 +238,58 @@ def _batch_pairs(
     return [(m, accum) for m in _spread(powers, at.num_tuning_micro_batch_sizes)], None
 
 
+def _layout_sizes(config: dict[str, Any], key: str, world: int) -> tuple[list[int], bool]:
+    """The sizes to try for ``key`` and whether it is tuned (``"auto"`` or a list)."""
+    value = get_dotted(config, key)
+    if is_auto(value):
+        return [d for d in range(1, world + 1) if world % d == 0], True
+    if isinstance(value, list):
+        bad = [v for v in value if not isinstance(v, int) or v < 1 or world % v]
+        if not value or bad:
+            raise AutotuningSpaceError(
+                f"{key} values {bad or value} do not divide the {world} ranks; list divisors of "
+                f'the world size (or "auto" for all of them)'
+            )
+        return sorted(set(value)), True
+    return [int(value) if value else 1], False
+
+
+def layouts(config: dict[str, Any], world: int) -> list[tuple[int | None, int | None]]:
+    """The ``(tp, sp)`` layouts to try (``[(None, None)]`` when neither size is tuned)."""
+    tps, tp_tuned = _layout_sizes(config, TP_KEY, world)
+    sps, sp_tuned = _layout_sizes(config, SP_KEY, world)
+    if not (tp_tuned or sp_tuned):
+        return [(None, None)]
+    # the engine refuses sequence parallelism with AutoTP: such layouts would only fail
+    out = [(t, s) for t in tps for s in sps if world % (t * s) == 0 and min(t, s) == 1]
+    if not out:
+        raise AutotuningSpaceError(
+            f"no layout of {TP_KEY} in {tps} and {SP_KEY} in {sps} fits {world} ranks (their "
+            "product must divide the world, and one of them must be 1)"
+        )
+    return list(out)
+
+
+def checkpointing_choices(at: Any) -> list[bool | None]:
+    """The activation checkpointing values to try (``[None]``: not an axis)."""
+    value = getattr(at, "activation_checkpointing", None)
+    if value is None or isinstance(value, bool):
+        return [value]
+    choices: list[bool | None] = [False, True] if is_auto(value) else [bool(v) for v in value]
+    if not choices:
+        raise AutotuningSpaceError(f'{CKPT_KEY} is an empty list; give [false, true] or "auto"')
+    if CKPT_KEY not in (at.arg_mappings or {}):
+        raise AutotuningSpaceError(
+            f"{CKPT_KEY} is tuned but autotuning.arg_mappings does not map it to the script; add "
+            f'"arg_mappings": {{"{CKPT_KEY}": "--gradient_checkpointing"}} (a flag given only '
+            'when on; end it with "=" for flag=true|false)'
+        )
+    return list(dict.fromkeys(choices))
+
+
 def build_space(config: dict[str, Any], at: Any, world_size: int) -> SearchSpace:
     """The points to consider for the user's ``config`` (``at``: its autotuning section)."""
     dp_world = max(world_size // at.mp_size, 1)
-    pairs, tbs = _batch_pairs(config, at, dp_world)
     stages = [int(s) for s in _choices(config, "zero_optimization.stage", DEFAULT_STAGES)]
     bad = [s for s in stages if s not in DEFAULT_STAGES]
     if bad:
@@ -212,15 +303,28 @@ def build_space(config: dict[str, Any], at: Any, world_size: int) -> SearchSpace
     buckets = _choices(
         config, "zero_optimization.reduce_bucket_size", DEFAULT_BUCKETS if slow else (None,)
     )
+    ckpts = checkpointing_choices(at)
     points: list[Point] = []
-    for stage, (micro, accum), offload, bucket in itertools.product(
-        stages, pairs, offloads, buckets
-    ):
-        if stage == 0:  # ZeRO-0 has neither an offloaded optimizer nor reduce buckets
-            offload, bucket = "none", None
-        point = Point(stage, micro, accum, str(offload), int(bucket) if bucket else None)
-        if point not in points:
-            points.append(point)
+    tbs: int | None = None
+    errors: list[AutotuningSpaceError] = []
+    for tp, sp in layouts(config, dp_world):
+        try:  # each layout has its own data-parallel size, so its own batch triangle
+            pairs, tbs = _batch_pairs(config, at, dp_world // ((tp or 1) * (sp or 1)))
+        except AutotuningSpaceError as exc:
+            errors.append(exc)
+            continue
+        for stage, (micro, accum), offload, bucket, ckpt in itertools.product(
+            stages, pairs, offloads, buckets, ckpts
+        ):
+            if stage == 0:  # ZeRO-0 has neither an offloaded optimizer nor reduce buckets
+                offload, bucket = "none", None
+            point = Point(
+                stage, micro, accum, str(offload), int(bucket) if bucket else None, tp, sp, ckpt
+            )
+            if point not in points:
+                points.append(point)
+    if not points:
+        raise errors[0]
     return SearchSpace(points=points, train_batch_size=tbs, dp_world=dp_world)
 
 
@@ -229,6 +333,10 @@ def experiment_config(
 ) -> dict[str, Any]:
     """The user's config with ``point``'s values and the given ``autotuning`` section."""
     config = copy.deepcopy(user_config)
+    if autotuning is None:
+        config.pop("autotuning", None)
+    else:
+        config["autotuning"] = copy.deepcopy(autotuning)
     for key, value in point.values().items():
         set_dotted(config, key, value)
     if "train_batch_size" in config and is_auto(config["train_batch_size"]):
@@ -239,10 +347,6 @@ def experiment_config(
     ):
         if isinstance(get_dotted(config, key), list) or is_auto(get_dotted(config, key)):
             set_dotted(config, key, "none" if key.endswith("device") else 500_000_000)
-    if autotuning is None:
-        config.pop("autotuning", None)
-    else:
-        config["autotuning"] = autotuning
     return config
 
 
@@ -275,20 +379,49 @@ def replace_config_path(user_args: list[str], path: str) -> list[str]:
     )
 
 
+def _without_flag(args: list[str], flag: str) -> list[str]:
+    """``args`` without ``flag`` (alone, with ``=value``, or followed by a boolean word)."""
+    out: list[str] = []
+    skip = False
+    for i, arg in enumerate(args):
+        if skip:
+            skip = False
+            continue
+        if arg == flag:
+            skip = i + 1 < len(args) and args[i + 1].lower() in _BOOL_WORDS
+            continue
+        if not arg.startswith(flag + "="):
+            out.append(arg)
+    return out
+
+
 def apply_arg_mappings(
     user_args: list[str], mappings: dict[str, Any] | None, config: dict[str, Any]
 ) -> list[str]:
     """Set each mapped script argument (``{"train_micro_batch_size_per_gpu":
-    "--per_device_train_batch_size"}``) to the config's value, replacing or appending it."""
+    "--per_device_train_batch_size"}``) to the config's value, replacing or appending it.
+
+    A flag ending in ``=`` is given as ``flag=value``. A boolean value (activation
+    checkpointing) given to a plain flag is the flag alone when on and nothing when off; any
+    spelling of the flag already in the arguments is removed first."""
     out = list(user_args)
-    for key, flag in (mappings or {}).items():
+    for key, mapped in (mappings or {}).items():
         value = get_dotted(config, key)
         if value is None:
             raise AutotuningSpaceError(
                 f"autotuning.arg_mappings maps {key!r}, which the experiment config does not set; "
                 "map only tuned keys (train_micro_batch_size_per_gpu, "
-                "gradient_accumulation_steps, ...)"
+                f"gradient_accumulation_steps, {CKPT_KEY}, ...)"
             )
+        equals = str(mapped).endswith("=")
+        flag = str(mapped).rstrip("=")
+        if isinstance(value, bool):
+            out = _without_flag(out, flag)
+            if equals:
+                out.append(f"{flag}={str(value).lower()}")
+            elif value:
+                out.append(flag)
+            continue
         for i, arg in enumerate(out):
             if arg == flag and i + 1 < len(out):
                 out[i + 1] = str(value)
@@ -297,5 +430,5 @@ def apply_arg_mappings(
                 out[i] = f"{flag}={value}"
                 break
         else:
-            out += [str(flag), str(value)]
+            out += [f"{flag}={value}"] if equals else [flag, str(value)]
     return out

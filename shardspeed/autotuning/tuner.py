@@ -4,13 +4,16 @@ All three share :func:`search`: ask the tuner for the next point, measure it, te
 until ``num_trials`` measurements, the space is exhausted, ``early_stopping`` trials in a row
 did not improve the best, or (model-based) the cost model predicts nothing left beats the best.
 
-The model-based tuner starts from a prior order (larger micro-batches first: fewer micro-steps
-per optimizer step; then lower ZeRO stages and no offload: less communication) and, once two
-trials are measured, fits a ridge least-squares model of ``log(metric)`` on simple features of a
-point (``1/micro_batch``, ``log2(micro_batch)``, one-hot ZeRO stage, offload, ``log`` bucket size)
-and measures the unmeasured point with the best prediction next, the prior breaking ties. An axis
-(micro-batch, stage, offload, bucket) on which every measured point agrees is explored first
-(the next point in prior order that differs there), as the model knows nothing about it yet.
+The model-based tuner starts from a prior order (activation checkpointing off first: no
+recomputation; then larger micro-batches: fewer micro-steps per optimizer step; then fewer
+tensor/sequence-parallel ranks per model copy, lower ZeRO stages and no offload: less
+communication) and, once two trials are measured, fits a ridge least-squares model of
+``log(metric)`` on simple features of a point (``1/micro_batch``, ``log2(micro_batch)``, one-hot
+ZeRO stage, offload, ``log`` bucket size, ``log2(tp)``, ``log2(sp)``, checkpointing on) and
+measures the unmeasured point with the best prediction next, the prior breaking ties. An axis
+(micro-batch, stage, offload, bucket, tp, sp, checkpointing) on which every measured point agrees
+is explored first (the next point in prior order that differs there), as the model knows nothing
+about it yet.
 """
 
 from __future__ import annotations
@@ -65,7 +68,14 @@ class RandomTuner(Tuner):
 
 
 def _prior_key(point: Point) -> tuple[float, ...]:
-    return (-point.micro_batch, point.stage, point.offload != "none", -(point.bucket or 0))
+    return (
+        bool(point.ckpt),
+        -point.micro_batch,
+        point.tp_size * point.sp_size,
+        point.stage,
+        point.offload != "none",
+        -(point.bucket or 0),
+    )
 
 
 _AXES: tuple[Callable[[Point], object], ...] = (
@@ -73,6 +83,9 @@ _AXES: tuple[Callable[[Point], object], ...] = (
     lambda p: p.stage,
     lambda p: p.offload,
     lambda p: p.bucket,
+    lambda p: p.tp_size,
+    lambda p: p.sp_size,
+    lambda p: bool(p.ckpt),
 )
 
 
@@ -86,6 +99,9 @@ def _features(point: Point) -> list[float]:
         float(point.stage == 3),
         float(point.offload != "none"),
         math.log10(point.bucket) - 8.0 if point.bucket else 0.0,
+        math.log2(point.tp_size),
+        math.log2(point.sp_size),
+        float(bool(point.ckpt)),
     ]
 
 

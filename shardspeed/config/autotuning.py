@@ -62,5 +62,10 @@ class DeepSpeedAutotuningConfig(DeepSpeedConfigModel):
     memory_limit_gb: float | None = Field(default=None, gt=0)
     """shardspeed: memory per rank (GiB) a configuration may need; default the accelerator's
     (on CPU ranks, the machine's over the local ranks). Points estimated above it never launch."""
+    activation_checkpointing: bool | Literal["auto"] | list[bool] | None = None
+    """shardspeed: activation checkpointing as a search axis: ``"auto"`` (off and on) or a list
+    of booleans; a plain boolean is held fixed (and counted in the memory estimate). The script
+    gets it through ``arg_mappings`` (key ``autotuning.activation_checkpointing``, e.g.
+    ``"--gradient_checkpointing"``)."""
     experiment_timeout_s: float = Field(default=600.0, gt=0)
     """shardspeed: wall-clock limit of one experiment; a slower one is recorded as a timeout."""
