@@ -3,7 +3,8 @@
 Each tuned key follows one rule, read from the user's config:
 
 * absent or ``"auto"``: the autotuner's default values (ZeRO stage 0-3; micro-batch sizes from
-  ``min/max_train_micro_batch_size_per_gpu``; offload and bucket sizes when ``fast`` is off);
+  ``min/max_train_micro_batch_size_per_gpu``; offload (NVMe too when ``offload_optimizer.nvme_path`` is
+  set) and bucket sizes when ``fast`` is off);
 * a list (``"zero_optimization": {"stage": [0, 2]}``): exactly those values;
 * a plain value: held fixed.
 
@@ -52,6 +53,8 @@ __all__ = [
 
 DEFAULT_STAGES = (0, 1, 2, 3)
 DEFAULT_OFFLOADS = ("none", "cpu")
+#: what ``offload_optimizer.device`` may be in a trial
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 DEFAULT_BUCKETS = (50_000_000, 500_000_000)
 CONFIG_FLAGS = ("--deepspeed_config", "--deepspeed")
 TP_KEY = "tensor_parallel.autotp_size"
@@ -295,11 +298,23 @@ def build_space(config: dict[str, Any], at: Any, world_size: int) -> SearchSpace
     if bad:
         raise AutotuningSpaceError(f"zero_optimization.stage values {bad} are not ZeRO stages 0-3")
     slow = not at.fast
+    nvme_path = get_dotted(config, "zero_optimization.offload_optimizer.nvme_path")
+    # NVMe joins the slow space where the config says where to swap (no path, no NVMe trial)
+    slow_offloads = (*DEFAULT_OFFLOADS, "nvme") if nvme_path else DEFAULT_OFFLOADS
     offloads = _choices(
-        config,
-        "zero_optimization.offload_optimizer.device",
-        DEFAULT_OFFLOADS if slow else ("none",),
+        config, "zero_optimization.offload_optimizer.device", slow_offloads if slow else ("none",)
     )
+    unknown = [o for o in offloads if o not in OFFLOAD_DEVICES]
+    if unknown:
+        raise AutotuningSpaceError(
+            f"zero_optimization.offload_optimizer.device values {unknown} are not offload "
+            f"devices; use {', '.join(OFFLOAD_DEVICES)}"
+        )
+    if "nvme" in offloads and not nvme_path:
+        raise AutotuningSpaceError(
+            "zero_optimization.offload_optimizer.device lists nvme but no nvme_path is set; "
+            "set zero_optimization.offload_optimizer.nvme_path to a folder on the NVMe drive"
+        )
     buckets = _choices(
         config, "zero_optimization.reduce_bucket_size", DEFAULT_BUCKETS if slow else (None,)
     )

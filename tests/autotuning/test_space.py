@@ -111,6 +111,29 @@ def test_slow_space_adds_offload_and_buckets_but_not_at_stage_0() -> None:
     assert "z0_mbs4_gas1" in names and "z2_mbs4_gas1_offcpu_b5e+07" in names
 
 
+def test_nvme_joins_the_slow_space_where_a_path_is_set(tmp_path) -> None:
+    swap = str(tmp_path)
+    config = {"train_batch_size": 8, "zero_optimization": {"stage": 3}}
+    config["zero_optimization"]["offload_optimizer"] = {"nvme_path": swap}
+    space = build_space(config, at(fast=False, num_tuning_micro_batch_sizes=1), 2)
+    assert {p.offload for p in space.points} == {"none", "cpu", "nvme"}
+    nvme = next(p for p in space.points if p.offload == "nvme")
+    trial = experiment_config(config, nvme, None)["zero_optimization"]["offload_optimizer"]
+    assert trial == {"device": "nvme", "nvme_path": swap}
+    # no path: no NVMe trial by default, and listing it is an error naming the fix
+    plain = {"train_batch_size": 8, "zero_optimization": {"stage": 3}}
+    assert "nvme" not in {p.offload for p in build_space(plain, at(fast=False), 2).points}
+    listed = {**plain, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": ["nvme"]}}}
+    with pytest.raises(
+        AutotuningSpaceError, match="set zero_optimization.offload_optimizer.nvme_path"
+    ):
+        build_space(listed, at(), 2)
+    with pytest.raises(AutotuningSpaceError, match="not offload devices"):
+        build_space(
+            {**plain, "zero_optimization": {"offload_optimizer": {"device": ["gpu"]}}}, at(), 2
+        )
+
+
 @pytest.mark.parametrize(
     ("config", "message"),
     [
