@@ -121,12 +121,29 @@ class DataEfficiencyHooks:
         }
 
     def load_state_dict(self, state: dict[str, Any], loader: Any) -> None:
-        """Restore what :meth:`state_dict` saved (parts absent from ``state`` stay as they are)."""
-        if self.random_ltd_scheduler is not None and state.get("random_ltd"):
-            self.random_ltd_scheduler.load_state_dict(state["random_ltd"])
-        sampler = getattr(loader, "data_sampler", None)
-        if isinstance(sampler, DeepSpeedDataSampler) and state.get("data_sampler"):
-            sampler.load_state_dict(state["data_sampler"])
-        legacy = self.curriculum_scheduler_legacy
-        if legacy is not None and state.get(LEGACY_KEY):
-            legacy.load_state_dict(state[LEGACY_KEY])
+        """Restore what :meth:`state_dict` saved (parts absent from ``state`` stay as they are).
+        A checkpoint is untrusted input: a part whose saved state does not have the shape it
+        should raises a ``ValueError`` naming the checkpoint key."""
+        parts: list[tuple[str, Any]] = [
+            ("random_ltd", self.random_ltd_scheduler),
+            ("data_sampler", _sampler(loader)),
+            (LEGACY_KEY, self.curriculum_scheduler_legacy),
+        ]
+        for key, part in parts:
+            saved = state.get(key)
+            if part is None or not saved:
+                continue
+            try:
+                part.load_state_dict(saved)
+            except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as exc:
+                raise ValueError(
+                    f"the checkpoint's '{key}' state cannot be restored ({type(exc).__name__}: "
+                    f"{exc}); the checkpoint is damaged or was saved with another "
+                    "data_efficiency / curriculum_learning config; load it with that config, or "
+                    "without those sections to start their schedules afresh"
+                ) from exc
+
+
+def _sampler(loader: Any) -> DeepSpeedDataSampler | None:
+    sampler = getattr(loader, "data_sampler", None)
+    return sampler if isinstance(sampler, DeepSpeedDataSampler) else None

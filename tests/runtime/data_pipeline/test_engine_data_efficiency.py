@@ -244,3 +244,22 @@ def test_sections_parse_with_defaults() -> None:
     )
     assert on.data_efficiency.random_ltd_enabled
     assert on.data_efficiency.data_routing.random_ltd.random_ltd_schedule.min_value == 8
+
+
+def test_a_damaged_checkpoint_state_names_its_key() -> None:
+    from shardspeed.runtime.data_pipeline.engine_hooks import DataEfficiencyHooks
+
+    legacy = {
+        "min_difficulty": 8,
+        "max_difficulty": 32,
+        "schedule_type": "fixed_linear",
+        "schedule_config": {"total_curriculum_step": 4, "difficulty_step": 8},
+    }
+    cfg = DeepSpeedConfig(de_ranks.config(legacy, de_ranks.LTD), dp_world_size=1)
+    hooks = DataEfficiencyHooks(cfg, 4, 4)
+    good = hooks.state_dict(None)
+    hooks.load_state_dict(good, None)  # a well-formed state loads
+    with pytest.raises(ValueError, match="'random_ltd' state cannot be restored"):
+        hooks.load_state_dict({"random_ltd": {"no": "such keys"}}, None)
+    with pytest.raises(ValueError, match="'curriculum_scheduler_legacy' state"):
+        hooks.load_state_dict({"curriculum_scheduler_legacy": ["not", "a", "dict"]}, None)
