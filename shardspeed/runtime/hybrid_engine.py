@@ -24,9 +24,13 @@ One ``generate`` call:
 Config (``hybrid_engine``): ``max_out_tokens`` bounds prompt plus new tokens (the fused KV
 cache's length; a longer request is a ValueError); ``release_inference_cache`` frees that cache
 after every call instead of keeping it for the next one; ``pin_parameters`` as above;
-``inference_tp_size`` > 1 (tensor-parallel generation) is not built and refused at
-``initialize``; ``tp_gather_partition_size`` (layers gathered at a time to split them for
-inference TP) therefore has no effect; ``enable_cuda_graph`` is not used (a warning says so).
+``inference_tp_size`` > 1 splits generation over groups of that many consecutive ranks
+(:mod:`~.hybrid_tp`: each group all-gathers its ranks' prompts, left-padding unequal lengths
+under an attention mask, decodes them with the view split by AutoTP, and each rank keeps its own
+rows); it needs ``pin_parameters`` (unpinned generation runs through the hooks, whole) and a
+greedy call on a fused family, else the call runs the whole-model path (one warning);
+``tp_gather_partition_size`` has no effect (the whole model is gathered once, then split);
+``enable_cuda_graph`` is not used (a warning says so).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from torch import nn
 
 from shardspeed.accelerator import get_accelerator
 from shardspeed.config.hybrid_engine import HybridEngineConfig
+from shardspeed.inference.tp_group import TPGroup
 from shardspeed.runtime.engine import DeepSpeedEngine
 from shardspeed.runtime.engine_parts import EngineParts
 from shardspeed.runtime.hybrid_shadow import (
@@ -47,6 +52,13 @@ from shardspeed.runtime.hybrid_shadow import (
     lora_replacement,
     unwrap_peft,
 )
+from shardspeed.runtime.hybrid_tp import (
+    TP_KWARGS,
+    check_inference_tp_size,
+    gather_group_batch,
+    make_inference_tp_group,
+    split_view,
+)
 from shardspeed.runtime.zero.partition_parameters import GatheredParameters
 from shardspeed.utils.logging import log_dist, warning_once
 
@@ -54,10 +66,6 @@ __all__ = ["DeepSpeedHybridEngine"]
 
 #: model types shardspeed's fused decoder builds blocks for
 _FUSED_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gpt2"})
-
-
-class InferenceTPNotBuiltError(NotImplementedError):
-    """``hybrid_engine.inference_tp_size`` > 1: tensor-parallel generation is not built."""
 
 
 class DeepSpeedHybridEngine(DeepSpeedEngine):
@@ -78,6 +86,23 @@ class DeepSpeedHybridEngine(DeepSpeedEngine):
         self._iters = 0
         #: whether the last ``generate`` ran the fused decoder (else Hugging Face's generate)
         self.last_generate_fused = False
+        #: this rank's inference tensor-parallel group (None: ``inference_tp_size`` 1), made
+        #: here because every rank constructs the engine, in the same order
+        tp_size = int(self.hybrid_config.inference_tp_size)
+        self.inference_tp: TPGroup | None = (
+            make_inference_tp_group(tp_size) if tp_size > 1 else None
+        )
+        if self.inference_tp is not None and not self.gather_all_layers:
+            log_dist(
+                f"hybrid_engine.inference_tp_size={tp_size} with pin_parameters=false: "
+                "generation runs through the ZeRO-3 hooks on the whole model (as in DeepSpeed, "
+                "tensor-parallel generation needs pin_parameters=true)",
+                ranks=[0],
+            )
+        #: whether the last ``generate`` split the model over the inference TP group
+        self.last_generate_tp = False
+        #: the last tensor-parallel view (kept for inspection until the next ``generate``)
+        self.last_tp_view: nn.Module | None = None
 
     # -- modes --------------------------------------------------------------------------------
     def train(self, mode: bool = True) -> DeepSpeedHybridEngine:
@@ -111,7 +136,10 @@ class DeepSpeedHybridEngine(DeepSpeedEngine):
         with GatheredParameters(list(self.module.parameters())):
             self._gather_latency = time.time() - started
             view = generation_view(self.module, lora_replacement)
-            output = self._generate_on(view, inputs, kwargs)
+            if self.inference_tp is not None:
+                output = self._generate_tp(view, self.inference_tp, inputs, kwargs)
+            else:
+                output = self._generate_on(view, inputs, kwargs)
         self._generate_latency = time.time() - started - self._gather_latency
         self._iters += 1
         return output
@@ -125,12 +153,71 @@ class DeepSpeedHybridEngine(DeepSpeedEngine):
             kwargs.setdefault("synced_gpus", False)  # the view runs no collective per step
             generate: Any = view.generate  # a Hugging Face model's (or PEFT wrapper's)
             return generate(*inputs, **kwargs)
+        return self._run_fused(decoder, inputs, kwargs)
+
+    def _run_fused(self, decoder: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``decoder.generate`` with the kept KV cache."""
         decoder._cache = self._kv_cache
         try:
             return decoder.generate(*inputs, **kwargs)
         finally:
             self._kv_cache = None if self.hybrid_config.release_inference_cache else decoder._cache
             decoder._cache = None
+
+    def _generate_tp(
+        self, view: nn.Module, tp: TPGroup, inputs: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """Decode the group's prompts with ``view`` split over ``tp``; this rank's rows back.
+        A call some rank of the group cannot run this way runs the whole-model path on every
+        rank of the group (they decide together from the gathered metadata)."""
+        from shardspeed.inference.config import DeepSpeedInferenceConfig
+        from shardspeed.inference.fused.builder import build_fused_decoder
+
+        model = unwrap_peft(view)
+        ids = inputs[0] if inputs else kwargs.get("input_ids")
+        mask = kwargs.get("attention_mask")
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        ok = (
+            len(inputs) <= 1
+            and isinstance(ids, torch.Tensor)
+            and ids.dim() == 2
+            and (mask is None or (isinstance(mask, torch.Tensor) and mask.shape == ids.shape))
+            and set(kwargs) <= TP_KWARGS
+            and model_type in _FUSED_FAMILIES
+            and _greedy_call(model, kwargs)
+        )
+        defaults = getattr(model, "generation_config", None)
+        pad = kwargs.get("pad_token_id", getattr(defaults, "pad_token_id", None))
+        batch = gather_group_batch(
+            tp,
+            ids if ok else torch.zeros(1, 1, dtype=torch.long),
+            mask if ok else None,
+            ok,
+            int(pad) if isinstance(pad, int) else 0,
+        )
+        decoder = None
+        if batch is not None:
+            split_view(model, tp)
+            dtype = next(model.parameters()).dtype
+            config = DeepSpeedInferenceConfig(max_tokens=self.hybrid_config.max_out_tokens)
+            decoder = build_fused_decoder(model, config, tp, dtype)
+        if batch is None or decoder is None:
+            warning_once(
+                "hybrid engine: a generate call that is not greedy decoding of a Llama, "
+                "Mistral, Qwen2/3 or GPT-2 model with the fused decoder's arguments runs on the "
+                "whole gathered model on each rank (inference_tp_size is not used for it)"
+            )
+            self.last_generate_tp = False
+            if batch is not None:  # the view was split: decode on a whole one
+                view = generation_view(self.module, lora_replacement)
+            return self._generate_on(view, inputs, kwargs)
+        rest = {k: v for k, v in kwargs.items() if k not in ("input_ids", "attention_mask")}
+        rest.pop("synced_gpus", None)
+        if batch.mask is not None:
+            rest["attention_mask"] = batch.mask
+        self.last_generate_fused = self.last_generate_tp = True
+        self.last_tp_view = model
+        return batch.own(self._run_fused(decoder, (batch.ids,), rest))
 
     def _fused_decoder(
         self, model: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any]
@@ -227,15 +314,9 @@ class DeepSpeedHybridEngine(DeepSpeedEngine):
         self._kv_cache = None
 
 
-def check_hybrid_config(config: HybridEngineConfig) -> None:
-    """Refuse what is not built; say what is ignored."""
-    if config.inference_tp_size > 1:
-        raise InferenceTPNotBuiltError(
-            f"hybrid_engine.inference_tp_size={config.inference_tp_size}: tensor-parallel "
-            "generation in the hybrid engine is not built in shardspeed; set "
-            "inference_tp_size to 1 (each data-parallel rank generates with the whole "
-            "gathered model)"
-        )
+def check_hybrid_config(config: HybridEngineConfig, world_size: int = 1, mpu: Any = None) -> None:
+    """Refuse what does not fit the world or is not built; say what is ignored."""
+    check_inference_tp_size(int(config.inference_tp_size), world_size, mpu)
     if config.enable_cuda_graph:
         log_dist(
             "hybrid_engine.enable_cuda_graph is not used by shardspeed's hybrid engine (the "

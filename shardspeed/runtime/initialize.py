@@ -169,7 +169,7 @@ def initialize(
                 "stages"
             )
     if ds_config.hybrid_engine.enabled:  # refused before any part is built
-        check_hybrid_config(ds_config.hybrid_engine)
+        check_hybrid_config(ds_config.hybrid_engine, comm.get_world_size(), mpu)
     parts = assemble(
         ds_config,
         model,

@@ -184,15 +184,6 @@ def lora_case() -> dict[str, Any]:
     return out
 
 
-def refusal_case() -> str:
-    """The error ``initialize`` raises for ``inference_tp_size`` > 1 (not built)."""
-    try:
-        shardspeed.initialize(model=tiny_llama(), config=hybrid_config(inference_tp_size=2))
-    except NotImplementedError as error:
-        return str(error)
-    return ""
-
-
 def rollout_case() -> dict[str, Any]:
     """``HybridEngineRollout`` over a ZeRO-3 hybrid engine: greedy (2 samples per prompt) and
     sampled rollouts."""

@@ -7,7 +7,6 @@ import pytest
 from tests.runtime.hybrid_engine.ranks import (
     generate_case,
     lora_case,
-    refusal_case,
     training_case,
 )
 
@@ -62,12 +61,6 @@ def test_lora_is_fused_for_generation_only(dist_pool):
         assert rank["differs_from_base"]  # the adapters change the tokens
         assert rank["equal"] and rank["fused"]
         assert rank["base_unchanged"]
-
-
-@pytest.mark.timeout(120)
-def test_inference_tensor_parallelism_is_refused(dist_pool):
-    for message in dist_pool(2).run(refusal_case):
-        assert "inference_tp_size=2" in message and "not built" in message
 
 
 @pytest.mark.timeout(240)
