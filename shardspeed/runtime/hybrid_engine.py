@@ -188,10 +188,14 @@ class DeepSpeedHybridEngine(DeepSpeedEngine):
         )
         defaults = getattr(model, "generation_config", None)
         pad = kwargs.get("pad_token_id", getattr(defaults, "pad_token_id", None))
+        if not ok or not isinstance(ids, torch.Tensor):
+            # a stand-in of the same device, so the group's metadata gather still matches
+            ids = torch.zeros(1, 1, dtype=torch.long, device=next(model.parameters()).device)
+            mask = None
         batch = gather_group_batch(
             tp,
-            ids if ok else torch.zeros(1, 1, dtype=torch.long),
-            mask if ok else None,
+            ids,
+            mask,
             ok,
             int(pad) if isinstance(pad, int) else 0,
         )
