@@ -37,6 +37,8 @@ HIDDEN = 32  # scripts/trl_reference.py's model
 CASES = ("dpo", "kto", "grpo", "rloo")
 #: scripts/trl_reference.py's case running TRL's unwrap_model_for_generation on its own
 UNWRAP = "unwrap"
+#: GRPO with TRL's default settings (its beta: no reference model)
+DEFAULT_GRPO = "grpo_default"
 
 
 def trl_overrides(hidden: int) -> dict[str, Any]:
@@ -132,9 +134,22 @@ def _results(out: Path) -> dict[str, list[dict[str, Any]]]:
 def test_reference_models_at_zero3(compat_site: Path, tmp_path: Path) -> None:
     pytest.importorskip("trl")
     cmd = launch_cmd(
-        "torchrun", "trl_reference.py", str(tmp_path), "--cases", ",".join((*CASES, UNWRAP))
+        "torchrun",
+        "trl_reference.py",
+        str(tmp_path),
+        "--cases",
+        ",".join((*CASES, DEFAULT_GRPO, UNWRAP)),
     )
     run_launched(cmd, rank_env(compat_site), timeout=280)
+    # GRPO with TRL's defaults: no reference model, generation on the gathered model, training
+    default = [json.loads((tmp_path / DEFAULT_GRPO / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for result in default:
+        assert result["ref_engine"] is None and result["engine"] == "DeepSpeedEngine"
+        assert result["hooks_removed"] >= 2  # generate() ran gathered, the hooks off, each step
+        assert [log["step"] for log in result["logs"]] == [1, 2]
+    assert [log["loss"] for log in default[0]["logs"]] == [
+        log["loss"] for log in default[1]["logs"]
+    ]
     buckets = {
         "reduce_bucket_size": HIDDEN * HIDDEN,
         "stage3_prefetch_bucket_size": int(0.9 * HIDDEN * HIDDEN),

@@ -132,12 +132,15 @@ def trainer_for(case: str, model_dir: Path, out: Path) -> Any:
         )
     from trl import GRPOConfig, GRPOTrainer
 
-    # ds3_gather_for_generation=True (TRL's default): generate() runs on the gathered model with
-    # the ZeRO-3 hooks taken off through engine.optimizer.parameter_offload
-    args = GRPOConfig(
-        **kwargs, beta=0.1, num_generations=2, max_completion_length=4,
-        ds3_gather_for_generation=True,
-    )  # fmt: skip
+    if case == "grpo_default":  # TRL's defaults: its beta (no reference model), gathered generation
+        args = GRPOConfig(**kwargs, num_generations=2, max_completion_length=4)
+    else:
+        # ds3_gather_for_generation=True (TRL's default): generate() runs on the gathered model
+        # with the ZeRO-3 hooks taken off through engine.optimizer.parameter_offload
+        args = GRPOConfig(
+            **kwargs, beta=0.1, num_generations=2, max_completion_length=4,
+            ds3_gather_for_generation=True,
+        )  # fmt: skip
     return GRPOTrainer(
         str(model_dir),
         reward_funcs=length_reward,
@@ -249,18 +252,19 @@ def run_case(case: str, root: Path, model_dir: Path) -> dict[str, Any]:
     import trl.models.utils as trl_utils
 
     trainer = trainer_for(case, model_dir, root / case)
-    ref = trainer.ref_model
-    zero = ref.config.zero_optimization
-    result: dict[str, Any] = {
-        "ref_engine": type(ref).__name__,
-        "ref_stage": int(zero.stage),
-        "ref_has_optimizer": ref.optimizer is not None,
-        "ref_buckets": {
-            "reduce_bucket_size": zero.reduce_bucket_size,
-            "stage3_prefetch_bucket_size": zero.prefetch_bucket_size,
-            "stage3_param_persistence_threshold": zero.param_persistence_threshold,
-        },
-    }
+    ref = getattr(trainer, "ref_model", None)
+    result: dict[str, Any] = {"ref_engine": None if ref is None else type(ref).__name__}
+    if ref is not None:
+        zero = ref.config.zero_optimization
+        result |= {
+            "ref_stage": int(zero.stage),
+            "ref_has_optimizer": ref.optimizer is not None,
+            "ref_buckets": {
+                "reduce_bucket_size": zero.reduce_bucket_size,
+                "stage3_prefetch_bucket_size": zero.prefetch_bucket_size,
+                "stage3_param_persistence_threshold": zero.param_persistence_threshold,
+            },
+        }
     with counting(trl_utils, "remove_hooks") as removed:
         trainer.train()
     result["hooks_removed"] = len(removed)  # GRPO's generate() took the gathered path
