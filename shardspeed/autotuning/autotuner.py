@@ -139,11 +139,16 @@ class Autotuner:
         if at.model_info_path and os.path.isfile(at.model_info_path):
             with open(at.model_info_path) as fd:
                 return dict(json.load(fd))
-        # the fewest split ranks and checkpointing off if the space has them: the figures are
+        # the fewest split ranks (stages) and checkpointing off if the space has them: the figures are
         # then the whole model's; a split or checkpointed probe's are scaled back
         small = min(
             points,
-            key=lambda p: (p.tp_size * p.sp_size, bool(p.ckpt), p.micro_batch, -min(p.stage, 2)),
+            key=lambda p: (
+                p.tp_size * p.sp_size * p.pp_size,
+                bool(p.ckpt),
+                p.micro_batch,
+                -min(p.stage, 2),
+            ),
         )
         # ZeRO-3 gathers parameters into new storage, which would count as activations
         probe = dataclasses.replace(small, stage=min(small.stage, 2), offload="none", bucket=None)
@@ -186,8 +191,9 @@ class Autotuner:
                 f"smallest, {least.point.name}, needs {least.needed / GB:.3f} GiB by the memory "
                 "estimate); raise autotuning.memory_limit_gb, allow ZeRO-3 or offload "
                 '(zero_optimization.stage "auto", autotuning.fast false), activation '
-                'checkpointing (autotuning.activation_checkpointing "auto") or tensor '
-                'parallelism (tensor_parallel.autotp_size "auto"), or lower '
+                'checkpointing (autotuning.activation_checkpointing "auto"), tensor '
+                'parallelism (tensor_parallel.autotp_size "auto") or pipeline stages '
+                '(autotuning.pipeline_stages "auto"), or lower '
                 "min_train_micro_batch_size_per_gpu"
             )
         logger.info(

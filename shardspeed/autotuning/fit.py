@@ -17,6 +17,15 @@ by ``tp``: Megatron-style tensor parallelism splits about 24 of the 34 ``s*b*h``
 bytes a transformer layer keeps and replicates the rest (Korthikanti et al., 2022), so
 activations scale by ``REPLICATED_ACTIVATIONS + (1 - REPLICATED_ACTIVATIONS) / tp``.
 
+Pipeline stages (``pp``): each stage holds ``1/pp`` of the layers, so the model states are
+divided by ``pp`` (the largest layer is whole on its stage) and ZeRO shards them over the
+``world / (tp * pp)`` data-parallel ranks of the stage. Activations under the 1F1B schedule: a
+stage keeps its ``1/pp`` of the layers' activations for each micro-batch in flight, and the first
+stage has the most in flight: ``min(pp, gradient_accumulation_steps)`` (its warm-up forwards
+before the first backward). So activations scale by ``min(pp, gas) / pp``: with at least ``pp``
+micro-batches per step a stage keeps what the whole model keeps for one micro-batch. The figures
+are those of the first stage, the one that needs the most.
+
 Activation checkpointing divides the activation bytes by ``CHECKPOINTING_DIVISOR`` (2: the
 layer inputs kept plus one layer recomputed at a time save far more in deep models, but little
 in shallow ones where the logits dominate; 2 keeps the pruning on the safe side) unless the model
@@ -87,7 +96,9 @@ class ModelInfo:
             measured = self.activation_bytes_per_sample_checkpointed
             per_sample = measured if measured is not None else per_sample / CHECKPOINTING_DIVISOR
         split = REPLICATED_ACTIVATIONS + (1.0 - REPLICATED_ACTIVATIONS) / point.tp_size
-        return per_sample * point.micro_batch * split / point.sp_size
+        # 1F1B: the first stage holds min(pp, gas) micro-batches of its 1/pp of the layers
+        in_flight = min(point.pp_size, point.grad_accum) / point.pp_size
+        return per_sample * point.micro_batch * split / point.sp_size * in_flight
 
 
 @dataclass(frozen=True)
@@ -100,7 +111,8 @@ class Fit:
 
 
 def _model_states(point: Point, info: ModelInfo, world: int, mixed: bool) -> float:
-    total = -(-info.num_params // point.tp_size)  # this rank's share of the split weights
+    # this rank's share: AutoTP splits the weights, a pipeline stage holds 1/pp of the layers
+    total = -(-info.num_params // (point.tp_size * point.pp_size))
     largest = -(-info.largest_layer_params // point.tp_size)
     offload = point.offload != "none"
     if mixed and point.stage == 2:
@@ -132,27 +144,34 @@ def _model_states(point: Point, info: ModelInfo, world: int, mixed: bool) -> flo
 
 def memory_needed(point: Point, info: ModelInfo, world: int, mixed: bool) -> int:
     """Estimated bytes one rank needs for ``point``; ``world``: the ranks the layout splits
-    (ZeRO shards over ``world / tp`` of them)."""
-    states = _model_states(point, info, max(world // point.tp_size, 1), mixed)
+    (ZeRO shards over ``world / (tp * pp)`` of them)."""
+    states = _model_states(point, info, max(world // (point.tp_size * point.pp_size), 1), mixed)
     return int(states + info.activation_bytes(point))
 
 
 def whole_model_info(measured: dict[str, Any], probe: Point) -> dict[str, Any]:
     """The whole model's figures from a profile run at ``probe``'s layout and checkpointing
     (one rank of a split model counts its share): the inverse of :meth:`ModelInfo.
-    activation_bytes` and of the split in :func:`memory_needed`."""
+    activation_bytes` and of the split in :func:`memory_needed`. A pipelined probe measured
+    the first stage (global rank 0): its parameters and one micro-batch's activations are taken
+    as ``1/pp`` of the model's (balanced stages)."""
     info = dict(measured)
-    tp, sp = probe.tp_size, probe.sp_size
-    for key in ("num_params", "trainable_num_params", "largest_layer_params"):
+    tp, sp, pp = probe.tp_size, probe.sp_size, probe.pp_size
+    for key in ("num_params", "trainable_num_params"):
         if key in info:
-            info[key] = int(info[key]) * tp
+            info[key] = int(info[key]) * tp * pp
+    if "largest_layer_params" in info:
+        info["largest_layer_params"] = int(info["largest_layer_params"]) * tp
     per_sample = float(info.get("activation_bytes_per_sample", 0.0))
-    per_sample *= sp / (REPLICATED_ACTIVATIONS + (1.0 - REPLICATED_ACTIVATIONS) / tp)
+    # the probe counts one micro-batch's forward, not the micro-batches in flight
+    per_sample *= sp * pp / (REPLICATED_ACTIVATIONS + (1.0 - REPLICATED_ACTIVATIONS) / tp)
     if probe.ckpt:
         info["activation_bytes_per_sample_checkpointed"] = per_sample
         per_sample *= CHECKPOINTING_DIVISOR
     info["activation_bytes_per_sample"] = per_sample
     info["profiled_layout"] = {"tp": tp, "sp": sp, "activation_checkpointing": bool(probe.ckpt)}
+    if probe.pp is not None:
+        info["profiled_layout"]["pp"] = pp
     return info
 
 

@@ -19,8 +19,19 @@ The parallel layout is tuned only when the user asks: ``tensor_parallel.autotp_s
 values, each a divisor of the world). A layout ``(tp, sp)`` needs ``tp * sp`` to divide the world;
 the data-parallel size is ``world / (tp * sp)`` and the batch triangle of that layout uses it, so
 each layout has its own micro-batch / accumulation pairs. Layouts with both ``tp`` and ``sp``
-above 1 are not generated: the engine refuses sequence parallelism with AutoTP. Pipeline
-parallelism is not an axis: it needs the user's ``PipelineModule``, which no config value makes.
+above 1 are not generated: the engine refuses sequence parallelism with AutoTP.
+
+Pipeline parallelism is an axis when ``autotuning.pipeline_stages`` is ``"auto"`` (every divisor
+of the world) or a list of stage counts (a plain count is a one-value list). The stage count lives
+in the user's code (``PipelineModule(num_stages=...)``), so the script must take it from its
+command line: ``arg_mappings`` maps ``autotuning.pipeline_stages`` to a value flag (e.g.
+``"--pipeline_stages"``), and the experiment config also sets ``pipeline.stages``, which the engine
+checks against the module. A layout ``(tp, sp, pp)`` needs ``tp * sp * pp`` to divide the world,
+and ``pp`` above 1 only with ``tp = sp = 1``: the pipeline engine refuses sequence parallelism in
+stages and has no AutoTP inside stages. The data-parallel size is ``world / (tp * sp * pp)``. ZeRO
+stages 2 and 3 are not generated when the stage count is tuned, at any count: the engine refuses
+them for every ``PipelineModule``, one stage included (as DeepSpeed does), and the script builds
+one for each count.
 
 Activation checkpointing is an axis when ``autotuning.activation_checkpointing`` is ``"auto"``
 (off and on) or a list of booleans; the script gets the value through ``arg_mappings`` (the key
@@ -43,6 +54,7 @@ __all__ = [
     "apply_arg_mappings",
     "build_space",
     "checkpointing_choices",
+    "pipeline_choices",
     "config_path_in_args",
     "experiment_config",
     "get_dotted",
@@ -60,6 +72,9 @@ CONFIG_FLAGS = ("--deepspeed_config", "--deepspeed")
 TP_KEY = "tensor_parallel.autotp_size"
 SP_KEY = "sequence_parallel_size"
 CKPT_KEY = "autotuning.activation_checkpointing"
+PP_KEY = "autotuning.pipeline_stages"
+#: the ZeRO stages the pipeline engine accepts (2 and 3 partition the gradients it accumulates)
+PIPELINE_STAGES_OK = (0, 1)
 _BOOL_WORDS = ("true", "false", "1", "0", "yes", "no")
 
 
@@ -87,6 +102,8 @@ class Point:
     sp: int | None = None
     #: activation checkpointing on/off (None: not tuned)
     ckpt: bool | None = None
+    #: pipeline stages (None: not tuned, the script's own)
+    pp: int | None = None
 
     @property
     def tp_size(self) -> int:
@@ -99,10 +116,17 @@ class Point:
         return self.sp or 1
 
     @property
+    def pp_size(self) -> int:
+        """The pipeline stage count (1 when it is not tuned)."""
+        return self.pp or 1
+
+    @property
     def name(self) -> str:
-        """The experiment's name, e.g. ``z2_mbs4_gas2``, ``z3_tp2_sp1_mbs4_gas1`` or
-        ``z3_mbs8_gas1_offcpu_b5e+07_ckpt``."""
+        """The experiment's name, e.g. ``z2_mbs4_gas2``, ``z3_tp2_sp1_mbs4_gas1``,
+        ``z1_pp2_mbs2_gas4`` or ``z3_mbs8_gas1_offcpu_b5e+07_ckpt``."""
         layout = f"_tp{self.tp_size}_sp{self.sp_size}" if self.tp or self.sp else ""
+        if self.pp is not None:
+            layout += f"_pp{self.pp}"
         name = f"z{self.stage}{layout}_mbs{self.micro_batch}_gas{self.grad_accum}"
         if self.offload != "none":
             name += f"_off{self.offload}"
@@ -129,6 +153,9 @@ class Point:
             out[SP_KEY] = self.sp_size
         if self.ckpt is not None:
             out[CKPT_KEY] = self.ckpt
+        if self.pp is not None:
+            out[PP_KEY] = self.pp
+            out["pipeline.stages"] = self.pp  # the engine checks the module against it
         return out
 
 
@@ -290,6 +317,55 @@ def checkpointing_choices(at: Any) -> list[bool | None]:
     return list(dict.fromkeys(choices))
 
 
+def pipeline_choices(at: Any, world: int) -> list[int | None]:
+    """The pipeline stage counts to try (``[None]``: not an axis)."""
+    value = getattr(at, "pipeline_stages", None)
+    if value is None:
+        return [None]
+    if is_auto(value):
+        choices = [d for d in range(1, world + 1) if world % d == 0]
+    else:
+        given = value if isinstance(value, list) else [value]
+        bad = [v for v in given if isinstance(v, bool) or not isinstance(v, int) or v < 1]
+        bad += [v for v in given if v not in bad and world % v]
+        if not given or bad:
+            raise AutotuningSpaceError(
+                f"{PP_KEY} values {bad or given} do not divide the {world} ranks; list stage "
+                'counts that divide the world size (or "auto" for all of them)'
+            )
+        choices = sorted(set(given))
+    if PP_KEY not in (at.arg_mappings or {}):
+        raise AutotuningSpaceError(
+            f"{PP_KEY} is tuned but autotuning.arg_mappings does not map it to the script, whose "
+            f'PipelineModule(num_stages=...) sets it; add "arg_mappings": {{"{PP_KEY}": '
+            '"--pipeline_stages"} (a value flag; end it with "=" for flag=N) and build the '
+            "PipelineModule with that many stages"
+        )
+    return list(choices)
+
+
+def _full_layouts(
+    config: dict[str, Any], at: Any, world: int
+) -> list[tuple[int | None, int | None, int | None]]:
+    """The ``(tp, sp, pp)`` layouts: :func:`layouts` times the stage counts, where the product
+    divides the world and a pipeline (``pp > 1``) has neither tensor nor sequence parallelism."""
+    pps = pipeline_choices(at, world)
+    out = [
+        (tp, sp, pp)
+        for tp, sp in layouts(config, world)
+        for pp in pps
+        if world % ((tp or 1) * (sp or 1) * (pp or 1)) == 0
+        and ((pp or 1) == 1 or (tp or 1) * (sp or 1) == 1)
+    ]
+    if not out:
+        raise AutotuningSpaceError(
+            f"no layout of {PP_KEY} in {pps} with the tensor/sequence-parallel sizes fits {world} "
+            "ranks (pp x tp x sp must divide the world, and pipeline stages above 1 need tp and "
+            "sp of 1: the pipeline engine takes neither)"
+        )
+    return out
+
+
 def build_space(config: dict[str, Any], at: Any, world_size: int) -> SearchSpace:
     """The points to consider for the user's ``config`` (``at``: its autotuning section)."""
     dp_world = max(world_size // at.mp_size, 1)
@@ -319,12 +395,23 @@ def build_space(config: dict[str, Any], at: Any, world_size: int) -> SearchSpace
         config, "zero_optimization.reduce_bucket_size", DEFAULT_BUCKETS if slow else (None,)
     )
     ckpts = checkpointing_choices(at)
+    full = _full_layouts(config, at, dp_world)
+    if any(pp is not None for _, _, pp in full):
+        # the script builds a PipelineModule at every count, and the engine takes ZeRO 0/1 only
+        stages = [s for s in stages if s in PIPELINE_STAGES_OK]
+        if not stages:
+            raise AutotuningSpaceError(
+                f"{PP_KEY} is tuned but zero_optimization.stage lists only stages the pipeline "
+                "engine refuses (2, 3); list 0 and/or 1, or leave the stage out"
+            )
     points: list[Point] = []
     tbs: int | None = None
     errors: list[AutotuningSpaceError] = []
-    for tp, sp in layouts(config, dp_world):
+    for tp, sp, pp in full:
         try:  # each layout has its own data-parallel size, so its own batch triangle
-            pairs, tbs = _batch_pairs(config, at, dp_world // ((tp or 1) * (sp or 1)))
+            pairs, tbs = _batch_pairs(
+                config, at, dp_world // ((tp or 1) * (sp or 1) * (pp or 1))
+            )
         except AutotuningSpaceError as exc:
             errors.append(exc)
             continue
@@ -334,7 +421,7 @@ def build_space(config: dict[str, Any], at: Any, world_size: int) -> SearchSpace
             if stage == 0:  # ZeRO-0 has neither an offloaded optimizer nor reduce buckets
                 offload, bucket = "none", None
             point = Point(
-                stage, micro, accum, str(offload), int(bucket) if bucket else None, tp, sp, ckpt
+                stage, micro, accum, str(offload), int(bucket) if bucket else None, tp, sp, ckpt, pp
             )
             if point not in points:
                 points.append(point)

@@ -6,12 +6,12 @@ did not improve the best, or (model-based) the cost model predicts nothing left 
 
 The model-based tuner starts from a prior order (activation checkpointing off first: no
 recomputation; then larger micro-batches: fewer micro-steps per optimizer step; then fewer
-tensor/sequence-parallel ranks per model copy, lower ZeRO stages and no offload: less
+tensor/sequence-parallel ranks and pipeline stages per model copy, lower ZeRO stages and no offload: less
 communication) and, once two trials are measured, fits a ridge least-squares model of
 ``log(metric)`` on simple features of a point (``1/micro_batch``, ``log2(micro_batch)``, one-hot
-ZeRO stage, offload, ``log`` bucket size, ``log2(tp)``, ``log2(sp)``, checkpointing on) and
+ZeRO stage, offload, ``log`` bucket size, ``log2(tp)``, ``log2(sp)``, ``log2(pp)``, checkpointing on) and
 measures the unmeasured point with the best prediction next, the prior breaking ties. An axis
-(micro-batch, stage, offload, bucket, tp, sp, checkpointing) on which every measured point agrees
+(micro-batch, stage, offload, bucket, tp, sp, pp, checkpointing) on which every measured point agrees
 is explored first (the next point in prior order that differs there), as the model knows nothing
 about it yet.
 """
@@ -71,7 +71,7 @@ def _prior_key(point: Point) -> tuple[float, ...]:
     return (
         bool(point.ckpt),
         -point.micro_batch,
-        point.tp_size * point.sp_size,
+        point.tp_size * point.sp_size * point.pp_size,
         point.stage,
         point.offload != "none",
         -(point.bucket or 0),
@@ -85,6 +85,7 @@ _AXES: tuple[Callable[[Point], object], ...] = (
     lambda p: p.bucket,
     lambda p: p.tp_size,
     lambda p: p.sp_size,
+    lambda p: p.pp_size,
     lambda p: bool(p.ckpt),
 )
 
@@ -101,6 +102,7 @@ def _features(point: Point) -> list[float]:
         math.log10(point.bucket) - 8.0 if point.bucket else 0.0,
         math.log2(point.tp_size),
         math.log2(point.sp_size),
+        math.log2(point.pp_size),
         float(bool(point.ckpt)),
     ]
 

@@ -67,5 +67,10 @@ class DeepSpeedAutotuningConfig(DeepSpeedConfigModel):
     of booleans; a plain boolean is held fixed (and counted in the memory estimate). The script
     gets it through ``arg_mappings`` (key ``autotuning.activation_checkpointing``, e.g.
     ``"--gradient_checkpointing"``)."""
+    pipeline_stages: int | Literal["auto"] | list[int] | None = None
+    """shardspeed: pipeline stages as a search axis: ``"auto"`` (every divisor of the world
+    size) or a list of stage counts. The script builds its ``PipelineModule`` with the count it
+    gets through ``arg_mappings`` (key ``autotuning.pipeline_stages``, e.g.
+    ``"--pipeline_stages"``); ZeRO stages 2 and 3 are then left out of the space."""
     experiment_timeout_s: float = Field(default=600.0, gt=0)
     """shardspeed: wall-clock limit of one experiment; a slower one is recorded as a timeout."""

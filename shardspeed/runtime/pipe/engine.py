@@ -237,6 +237,8 @@ class PipelineEngine(DeepSpeedEngine):
         self._exec_schedule(sched, training=True)
         self.agg_train_loss = self._aggregate_loss(self._losses, bcast=True)
         self._write_monitor_events(self.agg_train_loss)
+        if self.autotuning_probe is not None:  # after the batch's last collective: may exit
+            self.autotuning_probe.after_step(self.global_steps)
         return self.agg_train_loss
 
     def _write_monitor_events(self, loss: torch.Tensor) -> None:
