@@ -409,9 +409,7 @@ def build_space(config: dict[str, Any], at: Any, world_size: int) -> SearchSpace
     errors: list[AutotuningSpaceError] = []
     for tp, sp, pp in full:
         try:  # each layout has its own data-parallel size, so its own batch triangle
-            pairs, tbs = _batch_pairs(
-                config, at, dp_world // ((tp or 1) * (sp or 1) * (pp or 1))
-            )
+            pairs, tbs = _batch_pairs(config, at, dp_world // ((tp or 1) * (sp or 1) * (pp or 1)))
         except AutotuningSpaceError as exc:
             errors.append(exc)
             continue

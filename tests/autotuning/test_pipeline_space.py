@@ -61,7 +61,9 @@ def test_layouts_with_pipeline_stages_on_four_ranks() -> None:
 
 def test_batch_triangle_per_pipeline_layout() -> None:
     config = {"train_batch_size": 16, "zero_optimization": {"stage": 1}}
-    space = build_space(config, at(pipeline_stages="auto", num_tuning_micro_batch_sizes=8, **MAPS), 4)
+    space = build_space(
+        config, at(pipeline_stages="auto", num_tuning_micro_batch_sizes=8, **MAPS), 4
+    )
     by_pp: dict[int, set[tuple[int, int]]] = {}
     for p in space.points:
         dp = 4 // p.pp_size
@@ -101,7 +103,9 @@ def test_the_stage_count_must_be_mapped_to_the_script() -> None:
     assert isinstance(err.value, AssertionError)  # DeepSpeed asserts on config mistakes
     # mapped: the value flag is given, replaced, or written as flag=N
     user = {"train_batch_size": 8, "autotuning": {"pipeline_stages": "auto"}}
-    cfg = experiment_config(user, Point(1, 2, 2, pp=2), {"enabled": True, "pipeline_stages": "auto"})
+    cfg = experiment_config(
+        user, Point(1, 2, 2, pp=2), {"enabled": True, "pipeline_stages": "auto"}
+    )
     assert cfg["autotuning"]["pipeline_stages"] == 2 and cfg["pipeline"] == {"stages": 2}
     assert DeepSpeedAutotuningConfig.from_dict(cfg["autotuning"]).pipeline_stages == 2
     args = ["--deepspeed_config", "c.json", "--pipeline_stages", "4"]
