@@ -1,0 +1,150 @@
+"""Paged attention for a ragged batch in plain PyTorch.
+
+A ragged batch is the flat run of new tokens of several sequences (a prefill chunk of one, a
+single decode token of another, ...), each sequence with its own number of tokens already in the
+blocked KV cache. Each layer writes the new tokens' keys/values into the cache first, then
+attends: every sequence's keys/values are gathered along its block table into a padded
+(sequences, max_context) batch and one SDPA call runs with a mask that is causal at each
+sequence's own offset and hides the padding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["RaggedBatchMetadata", "paged_attention"]
+
+
+@dataclass(frozen=True)
+class RaggedBatchMetadata:
+    """What every layer of one forward pass needs about the ragged batch, built once per step.
+
+    ``positions`` (tokens,): each new token's position in its sequence (for rotary embeddings).
+    ``slots`` (tokens,): its cache slot, ``block * block_size + offset``.
+    ``query_index`` (sequences, max_new): flat token index of each sequence's i-th new token
+    (padding rows point at token 0 and are discarded).
+    ``token_seq``/``token_offset`` (tokens,): where each flat token sits in the padded batch.
+    ``block_tables`` (sequences, max_blocks): block ids, padded with block 0 (masked).
+    ``mask`` (sequences, 1, max_new, max_blocks * block_size): True where a query may attend.
+    """
+
+    positions: torch.Tensor
+    slots: torch.Tensor
+    query_index: torch.Tensor
+    token_seq: torch.Tensor
+    token_offset: torch.Tensor
+    block_tables: torch.Tensor
+    mask: torch.Tensor
+    block_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        """How many new tokens the batch has in all."""
+        return int(self.positions.numel())
+
+    @classmethod
+    def build(
+        cls,
+        seen_tokens: Sequence[int],
+        new_tokens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> RaggedBatchMetadata:
+        """Metadata of a batch whose sequence ``s`` has ``seen_tokens[s]`` tokens cached and
+        ``new_tokens[s]`` (>= 1) new ones in the flat token run (sequence 0's first), its
+        tokens held by ``block_tables[s]``."""
+        if not len(seen_tokens) == len(new_tokens) == len(block_tables) >= 1:
+            raise ValueError(
+                "seen_tokens, new_tokens and block_tables need one entry per sequence and at "
+                f"least one sequence; got {len(seen_tokens)}, {len(new_tokens)} and "
+                f"{len(block_tables)}."
+            )
+        for s, (seen, new, table) in enumerate(
+            zip(seen_tokens, new_tokens, block_tables, strict=True)
+        ):
+            if seen < 0 or new < 1:
+                raise ValueError(
+                    f"sequence {s}: seen_tokens must be >= 0 and new_tokens >= 1, got {seen} "
+                    f"and {new}."
+                )
+            if seen + new > len(table) * block_size:
+                raise ValueError(
+                    f"sequence {s}: {seen + new} tokens do not fit its {len(table)} block(s) of "
+                    f"{block_size}; reserve blocks first."
+                )
+        n_seq = len(new_tokens)
+        max_new = max(new_tokens)
+        max_blocks = max(len(t) for t in block_tables)
+        max_ctx = max_blocks * block_size
+
+        tables = torch.zeros(n_seq, max_blocks, dtype=torch.int64)
+        for s, table in enumerate(block_tables):
+            tables[s, : len(table)] = torch.as_tensor(list(table), dtype=torch.int64)
+        new_t = torch.as_tensor(list(new_tokens), dtype=torch.int64)
+        seen_t = torch.as_tensor(list(seen_tokens), dtype=torch.int64)
+
+        token_seq = torch.repeat_interleave(torch.arange(n_seq), new_t)
+        starts = torch.cumsum(new_t, 0) - new_t
+        token_offset = torch.arange(int(new_t.sum())) - starts[token_seq]
+        positions = seen_t[token_seq] + token_offset
+        slots = tables[token_seq, positions // block_size] * block_size + positions % block_size
+
+        rows = torch.arange(max_new)
+        query_index = torch.where(rows < new_t[:, None], starts[:, None] + rows, 0)
+        # Query i of sequence s sits at position seen[s] + i and sees keys 0 .. seen[s] + i.
+        last_key = seen_t[:, None] + rows  # (n_seq, max_new)
+        mask = torch.arange(max_ctx)[None, None, :] <= last_key[:, :, None]
+        # Padding rows see key 0 only: an all-False row would make SDPA return NaN.
+        pad_rows = rows[None, :] >= new_t[:, None]
+        mask = mask & ~pad_rows[:, :, None]
+        mask[:, :, 0] |= pad_rows
+
+        return cls(
+            positions=positions.to(device),
+            slots=slots.to(device),
+            query_index=query_index.to(device),
+            token_seq=token_seq.to(device),
+            token_offset=token_offset.to(device),
+            block_tables=tables.to(device),
+            mask=mask[:, None].to(device),
+            block_size=block_size,
+        )
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: RaggedBatchMetadata,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attention of the ragged batch's new tokens ``query`` (tokens, heads, head_dim) over the
+    keys/values of their sequences in one layer's cache ``key_cache``/``value_cache``
+    (num_blocks, block_size, kv_heads, head_dim), the new tokens already written there. ``heads``
+    must be a multiple of ``kv_heads`` (grouped-query attention: query head ``h`` reads kv head
+    ``h // (heads // kv_heads)``). Returns (tokens, heads, head_dim)."""
+    tokens, heads, head_dim = query.shape
+    kv_heads = key_cache.shape[2]
+    if tokens != meta.num_tokens:
+        raise ValueError(f"query has {tokens} tokens and the batch metadata {meta.num_tokens}.")
+    if key_cache.shape[1] != meta.block_size:
+        raise ValueError(
+            f"the cache's block size is {key_cache.shape[1]} and the metadata's {meta.block_size}."
+        )
+    if heads % kv_heads:
+        raise ValueError(f"query heads ({heads}) must be a multiple of kv heads ({kv_heads}).")
+    q = query[meta.query_index].transpose(1, 2)  # (seqs, heads, max_new, head_dim)
+    k = key_cache[meta.block_tables].flatten(1, 2).transpose(1, 2)  # (seqs, kv_heads, ctx, d)
+    v = value_cache[meta.block_tables].flatten(1, 2).transpose(1, 2)
+    if kv_heads != heads:
+        k = k.repeat_interleave(heads // kv_heads, dim=1)
+        v = v.repeat_interleave(heads // kv_heads, dim=1)
+    out = F.scaled_dot_product_attention(
+        q, k.to(q.dtype), v.to(q.dtype), attn_mask=meta.mask, scale=scale
+    )
+    return out.transpose(1, 2)[meta.token_seq, meta.token_offset]
