@@ -187,6 +187,10 @@ class RowPruningShared(DeepSpeedConfigModel):
     schedule_offset: int = Field(default=1000, ge=0)
 
 
+class ChannelPruningShared(RowPruningShared):
+    """``channel_pruning.shared_parameters``: the same keys as row pruning's."""
+
+
 class RowPruningConfig(_Technique):
     params_model: ClassVar[type[_Params]] = DenseRatioParams
     shared_parameters: RowPruningShared = Field(default_factory=RowPruningShared)
@@ -213,12 +217,6 @@ class HeadPruningShared(DeepSpeedConfigModel):
 class HeadPruningConfig(_Technique):
     params_model: ClassVar[type[_Params]] = DenseRatioParams
     shared_parameters: HeadPruningShared = Field(default_factory=HeadPruningShared)
-
-
-class ChannelPruningShared(DeepSpeedConfigModel):
-    enabled: bool = False
-    method: Literal["l1", "topk"] = "l1"
-    schedule_offset: int = Field(default=1000, ge=0)
 
 
 class ChannelPruningConfig(_Technique):

@@ -25,6 +25,7 @@ from torch import nn
 from shardspeed import comm
 from shardspeed.comm.mesh import groups_for
 from shardspeed.inference.autotp import apply_plan
+from shardspeed.inference.fused.decoder import ACCEPTED_GENERATE_KWARGS
 from shardspeed.inference.tp_group import TPGroup
 from shardspeed.inference.tp_plan import build_plan
 from shardspeed.inference.weight_source import ModuleWeights
@@ -33,21 +34,7 @@ __all__ = ["GroupBatch", "TP_KWARGS", "gather_group_batch", "make_inference_tp_g
 
 #: ``generate`` arguments the tensor-parallel (fused, greedy) path takes; any other argument
 #: sends the call to the whole-model path
-TP_KWARGS = frozenset(
-    {
-        "input_ids",
-        "attention_mask",
-        "max_new_tokens",
-        "min_new_tokens",
-        "max_length",
-        "eos_token_id",
-        "pad_token_id",
-        "do_sample",
-        "num_beams",
-        "use_cache",
-        "synced_gpus",
-    }
-)
+TP_KWARGS = ACCEPTED_GENERATE_KWARGS | {"synced_gpus"}
 
 
 class InferenceTPSizeError(ValueError, AssertionError):

@@ -21,8 +21,8 @@ DecodeMode = Literal["dynamic", "static", "cuda_graph", "compiled"]
 runs :class:`StaticDecodeStep` eagerly (fixed shapes, the whole cache masked); ``cuda_graph``
 captures that step in a CUDA graph once and replays it per token (``enable_cuda_graph``)."""
 
-# generate() arguments the fused loop honours; anything else goes to Hugging Face's generate
-_ACCEPTED = frozenset(
+#: generate() arguments the fused loop honours; anything else goes to Hugging Face's generate
+ACCEPTED_GENERATE_KWARGS = frozenset(
     {
         "input_ids",
         "attention_mask",
@@ -167,7 +167,7 @@ class FusedCausalLM(nn.Module):
 
     def accepts(self, *inputs: Any, **kwargs: Any) -> bool:
         """Whether a ``generate`` call is greedy decoding this loop runs exactly."""
-        if len(inputs) > 1 or not set(kwargs) <= _ACCEPTED:
+        if len(inputs) > 1 or not set(kwargs) <= ACCEPTED_GENERATE_KWARGS:
             return False
         ids = inputs[0] if inputs else kwargs.get("input_ids")
         mask = kwargs.get("attention_mask")

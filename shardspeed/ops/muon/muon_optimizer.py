@@ -244,6 +244,8 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         dealt = [
             self.ns_placement == "round_robin" and layout.world_size > 1 for _, _, layout in items
         ]
+        #: per chunk, the matrices with elements in it and their flat ranges (computed once)
+        mines = [layout.mine() for _, _, layout in items]
         jobs: list[tuple[int, MatrixSpan]] = []
         for i, (chunk, _, layout) in enumerate(items):
             if dealt[i]:
@@ -253,7 +255,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                     if self._owners[(id(chunk), index)] == layout.rank
                 ]
             else:
-                owned = [span for span, _, _ in layout.mine()]
+                owned = [span for span, _, _ in mines[i]]
             jobs += [(i, span) for span in owned]
         results = self._orthogonal(
             [
@@ -273,14 +275,14 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                         out[span.offset : span.offset + span.numel] = done[(i, span)]
                 # every element but the owner's is zero: the sum is the owner's value, exactly
                 mine = layout.reduce_scatter(out)
-                pieces = [mine[lo - start : hi - start] for _, lo, hi in layout.mine()]
+                pieces = [mine[lo - start : hi - start] for _, lo, hi in mines[i]]
             else:
                 pieces = [
                     done[(i, span)][lo - span.offset : hi - span.offset]
-                    for span, lo, hi in layout.mine()
+                    for span, lo, hi in mines[i]
                 ]
             chunk.mul_(1 - lr * group["weight_decay"])
-            for values, (span, lo, hi) in zip(pieces, layout.mine(), strict=True):
+            for values, (span, lo, hi) in zip(pieces, mines[i], strict=True):
                 scale = adjusted_lr(lr, matrix_shape(span.shape))
                 chunk[lo - start : hi - start].add_(values.to(chunk.device), alpha=-scale)
 
