@@ -34,7 +34,8 @@ __all__ = ["GroupBatch", "TP_KWARGS", "gather_group_batch", "make_inference_tp_g
 
 #: ``generate`` arguments the tensor-parallel (fused, greedy) path takes; any other argument
 #: sends the call to the whole-model path
-TP_KWARGS = ACCEPTED_GENERATE_KWARGS | {"synced_gpus"}
+#: a streamer is left out: a TP group decodes the gathered batch of all its ranks
+TP_KWARGS = (ACCEPTED_GENERATE_KWARGS - {"streamer"}) | {"synced_gpus"}
 
 
 class InferenceTPSizeError(ValueError, AssertionError):

@@ -97,3 +97,31 @@ def test_left_padded_batch_equals_hf_eager(family):
     engine.fused.register_forward_hook(lambda *_: calls.append(1))
     assert torch.equal(engine.generate(ids, **kwargs), eager.generate(ids, **kwargs))
     assert len(calls) == 20
+
+
+class _Recorder:
+    """A Hugging Face streamer that keeps every ``put`` and counts ``end``."""
+
+    def __init__(self) -> None:
+        self.puts: list[torch.Tensor] = []
+        self.ends = 0
+
+    def put(self, value: torch.Tensor) -> None:
+        self.puts.append(value.clone())
+
+    def end(self) -> None:
+        self.ends += 1
+
+
+def test_streamer_sees_what_hf_streams():
+    ids = models.prompt(batch=2)
+    eager, engine = models.build("llama"), models.fused("llama")
+    want, got = _Recorder(), _Recorder()
+    calls: list[int] = []
+    engine.fused.register_forward_hook(lambda *_: calls.append(1))
+    eager.generate(ids, max_new_tokens=5, do_sample=False, streamer=want)
+    out = engine.generate(ids, max_new_tokens=5, do_sample=False, streamer=got)
+    assert len(calls) == 5  # the fused loop ran (not Hugging Face's generate)
+    assert len(got.puts) == 6 and got.ends == want.ends == 1
+    assert all(torch.equal(a, b) for a, b in zip(got.puts, want.puts, strict=True))
+    assert torch.equal(torch.stack(got.puts[1:], dim=1), out[:, ids.shape[1] :])

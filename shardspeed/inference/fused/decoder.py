@@ -34,6 +34,7 @@ ACCEPTED_GENERATE_KWARGS = frozenset(
         "do_sample",
         "num_beams",
         "use_cache",
+        "streamer",
     }
 )
 
@@ -181,8 +182,13 @@ class FusedCausalLM(nn.Module):
 
     @torch.no_grad()
     def generate(self, *inputs: Any, **kwargs: Any) -> torch.Tensor:
-        """Greedy decoding as Hugging Face's ``generate`` does it: prompt and new tokens."""
+        """Greedy decoding as Hugging Face's ``generate`` does it: prompt and new tokens. A
+        ``streamer`` gets what Hugging Face gives it: ``put(prompt)``, ``put(tokens)`` per step
+        (one per sequence), ``end()``."""
         ids: torch.Tensor = inputs[0] if inputs else kwargs["input_ids"]
+        streamer = kwargs.get("streamer")
+        if streamer is not None:
+            streamer.put(ids.cpu())
         batch, prompt = ids.shape
         new, minimum, eos, pad = self._limits(prompt, kwargs, ids.device)
         if prompt + new > self.cache_shape.capacity:
@@ -205,9 +211,13 @@ class FusedCausalLM(nn.Module):
                 token = torch.where(done, torch.full_like(token, pad), token)
                 done |= torch.isin(token, eos)
             out.append(token)
+            if streamer is not None:
+                streamer.put(token.cpu())
             if (eos is not None and bool(done.all())) or step + 1 == new:
                 break
             logits = decode(token, prompt + step)
+        if streamer is not None:
+            streamer.end()
         return torch.cat([ids, torch.stack(out, dim=1)], dim=1)
 
     def _decoder(
