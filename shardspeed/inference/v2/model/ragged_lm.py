@@ -65,9 +65,15 @@ class RaggedCausalLM(nn.Module):
     the KV cache.
     """
 
+    # Hugging Face's modules, reached by attribute (their classes differ per family)
+    hf_model: Any
+    base: Any
+    layers: Any
+    config: Any
+
     def __init__(self, hf_model: nn.Module) -> None:
         super().__init__()
-        config = getattr(hf_model, "config", None)
+        config: Any = getattr(hf_model, "config", None)
         family = getattr(config, "model_type", None)
         if family not in _LAYOUTS:
             raise ValueError(
@@ -79,19 +85,22 @@ class RaggedCausalLM(nn.Module):
         self.layout = _LAYOUTS[family]
         self.hf_model = hf_model.eval()
         self.config = config
+        base: Any
         if self.layout == "gpt2":
-            base = hf_model.transformer
-            self.layers = base.h
-            attn = self.layers[0].attn
+            base = self.hf_model.transformer
+            layers = base.h
+            attn = layers[0].attn
             self.head_dim = int(attn.head_dim)
             self.kv_heads = int(attn.split_size) // self.head_dim
         else:
-            base = hf_model.model
-            self.layers = base.layers
-            attn = self.layers[0].self_attn
+            base = self.hf_model.model
+            layers = base.layers
+            attn = layers[0].self_attn
             self.head_dim = int(attn.head_dim)
             self.kv_heads = int(_out_features(attn.k_proj)) // self.head_dim
-        self.base = base
+        # plain attributes, not submodules: they are parts of hf_model (one state_dict entry each)
+        object.__setattr__(self, "base", base)
+        object.__setattr__(self, "layers", layers)
         self.num_layers = len(self.layers)
         self.vocab_size = int(config.vocab_size)
         self._windows = [self._sliding_window(layer) for layer in self.layers]
@@ -106,7 +115,7 @@ class RaggedCausalLM(nn.Module):
         """Where the model's weights live."""
         return next(self.hf_model.parameters()).device
 
-    def _sliding_window(self, layer: nn.Module) -> int | None:
+    def _sliding_window(self, layer: Any) -> int | None:
         if self.layout == "gpt2":
             return None
         attn = layer.self_attn
@@ -132,8 +141,9 @@ class RaggedCausalLM(nn.Module):
                 f"model needs {self.num_layers} of {self.kv_heads}."
             )
         metas: dict[int | None, RaggedBatchMetadata] = {None: meta}
-        for window in set(self._windows) - {None}:
-            metas[window] = _windowed(meta, window)
+        for window in self._windows:
+            if window is not None and window not in metas:
+                metas[window] = _windowed(meta, window)
         if self.layout == "gpt2":
             hidden = self._gpt2_layers(input_ids, meta, metas, cache)
             hidden = self.base.ln_f(self._last_tokens(hidden, meta))
