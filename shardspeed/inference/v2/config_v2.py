@@ -40,7 +40,9 @@ class MemoryConfig(DeepSpeedConfigModel):
 
     mode: AllocationMode = AllocationMode.RESERVE
     size: int = Field(default=1_000_000_000, gt=0)
-    """Bytes left free (``reserve``) or number of KV blocks (``allocate``)."""
+    """Bytes left free (``reserve``) or number of KV blocks (``allocate``). ``reserve`` never
+    takes more blocks than every tracked sequence at ``max_context`` could fill, and on a CPU
+    device at most a quarter of the free host memory."""
 
 
 class DSStateManagerConfig(DeepSpeedConfigModel):

@@ -22,6 +22,7 @@ from shardspeed.inference.v2.ragged.kv_cache import BlockedKVCache
 from shardspeed.inference.v2.ragged.paged_attention import RaggedBatchMetadata
 from shardspeed.inference.v2.ragged.state_manager import DSStateManager, TrackedSequence
 from shardspeed.inference.v2.scheduling_utils import SchedulingError, SchedulingResult
+from shardspeed.utils.logging import logger
 
 __all__ = ["InferenceEngineV2"]
 
@@ -73,13 +74,19 @@ class InferenceEngineV2:
         )  # fmt: skip
         # never more than every tracked sequence at full context could use
         most = sm.max_tracked_sequences * _ceil_div(sm.max_context, self._block_size)
-        blocks = min(most, (get_accelerator().available_memory() - memory.size) // per_block)
+        available = get_accelerator().available_memory()
+        if self._model.device.type == "cpu":
+            # host memory is shared with this process and every other one (zeroed blocks are
+            # touched at once): take at most a quarter of what is free
+            available //= 4
+        blocks = min(most, (available - memory.size) // per_block)
         if blocks < 1:
             raise ValueError(
                 f"state_manager.memory_config reserves {memory.size} bytes and leaves no room "
                 f"for one KV block ({per_block} bytes); lower memory_config.size or use "
                 "mode='allocate' with a number of blocks."
             )
+        logger.info(f"inference v2: KV cache of {blocks} blocks of {self._block_size} tokens")
         return int(blocks)
 
     # ------------------------------------------------------------------ properties

@@ -258,3 +258,24 @@ def test_config_errors() -> None:
     assert config.state_manager.max_ragged_sequence_count == 512
     assert config.state_manager.max_context == 8192
     assert config.state_manager.kv_block_size == 64 and config.state_manager.prefix_caching
+
+
+def test_reserve_mode_sizes_the_cache_by_what_can_be_used(llama: Any) -> None:
+    state = {"kv_block_size": 4, "max_context": 64, "max_tracked_sequences": 3}
+    engine = build_hf_engine(llama, {"state_manager": state | {"memory_config": {"size": 1}}})
+    assert engine.total_blocks == 3 * 16  # every tracked sequence at max_context
+
+
+def test_bf16_model_and_cache() -> None:
+    model = hm.build("qwen3")
+    ids = hm.tokens(21, 60)
+    want = hm.last_logits(model, ids)
+    engine = build_hf_engine(
+        model,
+        {"dtype": "bf16", "state_manager": {"memory_config": {"mode": "allocate", "size": 4}}},
+    )
+    assert engine.model.dtype == torch.bfloat16
+    assert engine._cache.keys[0].dtype == torch.bfloat16
+    got = engine.put([1], [ids])[0]
+    assert got.dtype == torch.float32
+    assert (got - want).abs().max() < 0.1 * want.abs().max()
