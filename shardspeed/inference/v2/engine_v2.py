@@ -225,7 +225,8 @@ class InferenceEngineV2:
                 covered = self._state.adopt_prefix(seq, run.tolist())
                 self.prefix_hit_tokens += covered
                 run = run[covered:]
-            self._cache.reserve(seq, run.numel())
+            if seq.blocks_needed(run.numel(), self._block_size):
+                self._cache.reserve(seq, run.numel())
             seq.tokens.extend(run.tolist())
             seq.pre_forward(run.numel())
             seqs.append(seq)

@@ -82,9 +82,11 @@ class RaggedBatchMetadata:
         max_blocks = max(len(t) for t in block_tables)
         max_ctx = max_blocks * block_size
 
-        tables = torch.zeros(n_seq, max_blocks, dtype=torch.int64)
-        for s, table in enumerate(block_tables):
-            tables[s, : len(table)] = torch.as_tensor(list(table), dtype=torch.int64)
+        # one tensor from padded lists: a copy per sequence costs more than the whole batch
+        tables = torch.tensor(
+            [[int(b) for b in t] + [0] * (max_blocks - len(t)) for t in block_tables],
+            dtype=torch.int64,
+        )
         new_t = torch.as_tensor(list(new_tokens), dtype=torch.int64)
         seen_t = torch.as_tensor(list(seen_tokens), dtype=torch.int64)
 
@@ -138,13 +140,19 @@ def paged_attention(
         )
     if heads % kv_heads:
         raise ValueError(f"query heads ({heads}) must be a multiple of kv heads ({kv_heads}).")
+    seqs, max_new = meta.query_index.shape
+    group = heads // kv_heads
     q = query[meta.query_index].transpose(1, 2)  # (seqs, heads, max_new, head_dim)
     k = key_cache[meta.block_tables].flatten(1, 2).transpose(1, 2)  # (seqs, kv_heads, ctx, d)
     v = value_cache[meta.block_tables].flatten(1, 2).transpose(1, 2)
-    if kv_heads != heads:
-        k = k.repeat_interleave(heads // kv_heads, dim=1)
-        v = v.repeat_interleave(heads // kv_heads, dim=1)
+    mask = meta.mask
+    if group > 1:
+        # GQA without copying keys/values per query head: the `group` query heads of one kv
+        # head become extra query rows of it (row g * max_new + i), the mask repeated to match
+        q = q.reshape(seqs, kv_heads, group * max_new, head_dim)
+        mask = mask.repeat(1, 1, group, 1)
     out = F.scaled_dot_product_attention(
-        q, k.to(q.dtype), v.to(q.dtype), attn_mask=meta.mask, scale=scale
+        q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale
     )
+    out = out.reshape(seqs, heads, max_new, head_dim)
     return out.transpose(1, 2)[meta.token_seq, meta.token_offset]
