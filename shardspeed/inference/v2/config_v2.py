@@ -20,6 +20,7 @@ __all__ = [
     "AllocationMode",
     "DSStateManagerConfig",
     "MemoryConfig",
+    "QuantizationConfig",
     "RaggedInferenceEngineConfig",
     "RaggedTPConfig",
 ]
@@ -86,13 +87,35 @@ class RaggedTPConfig(DeepSpeedConfigModel):
     """MLP shards are multiples of this many columns where the size allows."""
 
 
+class QuantizationConfig(DeepSpeedConfigModel):
+    """``quantization``: DeepSpeed's FP6 weight-only mode needs its CUDA kernels; only no
+    quantization is accepted here."""
+
+    json_key: ClassVar[str] = "quantization"
+
+    quantization_mode: str | None = None
+
+    @field_validator("quantization_mode")
+    @classmethod
+    def _none_only(cls, value: str | None) -> str | None:
+        if value is not None:
+            raise ValueError(
+                f"quantization.quantization_mode={value!r} is not supported by shardspeed's "
+                "inference v2 (DeepSpeed's wf6af16 needs its FP6 CUDA kernels); leave it unset."
+            )
+        return value
+
+
 class RaggedInferenceEngineConfig(DeepSpeedConfigModel):
     """The whole config of :class:`~shardspeed.inference.v2.engine_v2.InferenceEngineV2`."""
 
     json_key: ClassVar[str] = ""
 
-    tensor_parallel: RaggedTPConfig = Field(default_factory=RaggedTPConfig)
-    state_manager: DSStateManagerConfig = Field(default_factory=DSStateManagerConfig)
+    tensor_parallel: RaggedTPConfig = Field(default_factory=RaggedTPConfig, alias="tp")
+    state_manager: DSStateManagerConfig = Field(
+        default_factory=DSStateManagerConfig, alias="manager"
+    )
+    quantization: QuantizationConfig = Field(default_factory=QuantizationConfig)
     dtype: FloatDType | None = None
     """The model's compute dtype (None: keep the model's own)."""
     kv_cache_dtype: FloatDType | None = None

@@ -252,6 +252,10 @@ def test_config_errors() -> None:
         RaggedInferenceEngineConfig(state_manager={"max_contxt": 4})
     with pytest.raises(ValueError, match="memory_config"):
         make_engine(hm.build("llama"), memory_config={"mode": "reserve", "size": 1 << 60})
+    with pytest.raises(ValueError, match="wf6af16"):
+        RaggedInferenceEngineConfig(quantization={"quantization_mode": "wf6af16"})
+    aliased = RaggedInferenceEngineConfig.from_dict({"tp": {"tp_size": 2}, "manager": {}})
+    assert aliased.tensor_parallel.tp_size == 2
     config = RaggedInferenceEngineConfig()
     assert config.state_manager.max_tracked_sequences == 2048
     assert config.state_manager.max_ragged_batch_size == 768
