@@ -54,7 +54,8 @@ def _windowed(meta: RaggedBatchMetadata, window: int) -> RaggedBatchMetadata:
     mask = meta.mask & near[:, None]
     # padding rows (and only they) may have lost their one visible key: give it back
     mask[..., 0] |= ~mask.any(dim=-1)
-    return dataclasses.replace(meta, mask=mask)
+    parts = tuple((index, _windowed(part, window)) for index, part in meta.parts)
+    return dataclasses.replace(meta, mask=mask, parts=parts)
 
 
 class RaggedCausalLM(nn.Module):
