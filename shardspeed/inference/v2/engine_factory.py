@@ -30,7 +30,8 @@ def build_hf_engine(
     """An engine over a Hugging Face causal LM: ``path_or_model`` is a local checkpoint
     directory (loaded with ``from_pretrained``, local files only) or a model already built.
     With ``tensor_parallel.tp_size`` > 1 the model is split by AutoTP over consecutive ranks
-    (the process group is started when needed); each rank's KV cache holds its own kv heads."""
+    (the process group is started when needed); each rank's KV cache holds its own kv heads,
+    and every rank must make the same ``put``/``flush`` calls."""
     if engine_config is None or isinstance(engine_config, dict):
         engine_config = RaggedInferenceEngineConfig.from_dict(engine_config or {})
     if debug_level is not None:

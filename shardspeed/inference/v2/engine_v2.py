@@ -47,6 +47,13 @@ class InferenceEngineV2:
         sm = config.state_manager
         self._block_size = sm.kv_block_size
         self._max_context = sm.max_context
+        limit = self._model.max_positions
+        if limit is not None and limit < self._max_context:
+            logger.info(
+                f"inference v2: max_context {self._max_context} -> {limit}, the length of "
+                f"{self._model.family}'s learned position table"
+            )
+            self._max_context = limit
         cache_dtype = config.kv_cache_dtype or self._model.dtype
         self._cache = BlockedKVCache(
             self._model.num_layers,

@@ -283,3 +283,10 @@ def test_bf16_model_and_cache() -> None:
     got = engine.put([1], [ids])[0]
     assert got.dtype == torch.float32
     assert (got - want).abs().max() < 0.1 * want.abs().max()
+
+
+def test_gpt2_context_ends_with_its_position_table() -> None:
+    engine = make_engine(hm.build("gpt2", n_positions=32), max_context=256)
+    assert engine.max_context == 32
+    with pytest.raises(ValueError, match="max_context=32"):
+        engine.put([1], [hm.tokens(33, 1)])

@@ -104,6 +104,8 @@ class RaggedCausalLM(nn.Module):
         object.__setattr__(self, "layers", layers)
         self.num_layers = len(self.layers)
         self.vocab_size = int(config.vocab_size)
+        # learned position tables end; rotary positions do not
+        self.max_positions: int | None = int(config.n_positions) if self.layout == "gpt2" else None
         self._windows = [self._sliding_window(layer) for layer in self.layers]
 
     @property
