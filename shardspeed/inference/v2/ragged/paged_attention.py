@@ -30,6 +30,9 @@ class RaggedBatchMetadata:
     ``token_seq``/``token_offset`` (tokens,): where each flat token sits in the padded batch.
     ``block_tables`` (sequences, max_blocks): block ids, padded with block 0 (masked).
     ``mask`` (sequences, 1, max_new, max_blocks * block_size): True where a query may attend.
+    ``parts``: when the batch mixes single-token (decode) sequences with longer runs, each
+    group's flat token indices and its own metadata; attention then runs per group, so a decode
+    token is not padded to the longest prompt chunk's number of query rows.
     """
 
     positions: torch.Tensor
@@ -40,6 +43,7 @@ class RaggedBatchMetadata:
     block_tables: torch.Tensor
     mask: torch.Tensor
     block_size: int
+    parts: tuple[tuple[torch.Tensor, RaggedBatchMetadata], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -54,10 +58,12 @@ class RaggedBatchMetadata:
         block_tables: Sequence[Sequence[int]],
         block_size: int,
         device: torch.device | str = "cpu",
+        split: bool = True,
     ) -> RaggedBatchMetadata:
         """Metadata of a batch whose sequence ``s`` has ``seen_tokens[s]`` tokens cached and
         ``new_tokens[s]`` (>= 1) new ones in the flat token run (sequence 0's first), its
-        tokens held by ``block_tables[s]``."""
+        tokens held by ``block_tables[s]``; with ``split``, a batch that mixes single-token and
+        longer runs also gets per-group ``parts``."""
         if not len(seen_tokens) == len(new_tokens) == len(block_tables) >= 1:
             raise ValueError(
                 "seen_tokens, new_tokens and block_tables need one entry per sequence and at "
@@ -82,9 +88,11 @@ class RaggedBatchMetadata:
         max_blocks = max(len(t) for t in block_tables)
         max_ctx = max_blocks * block_size
 
-        tables = torch.zeros(n_seq, max_blocks, dtype=torch.int64)
-        for s, table in enumerate(block_tables):
-            tables[s, : len(table)] = torch.as_tensor(list(table), dtype=torch.int64)
+        # one tensor from padded lists: a copy per sequence costs more than the whole batch
+        tables = torch.tensor(
+            [[int(b) for b in t] + [0] * (max_blocks - len(t)) for t in block_tables],
+            dtype=torch.int64,
+        )
         new_t = torch.as_tensor(list(new_tokens), dtype=torch.int64)
         seen_t = torch.as_tensor(list(seen_tokens), dtype=torch.int64)
 
@@ -104,6 +112,22 @@ class RaggedBatchMetadata:
         mask = mask & ~pad_rows[:, :, None]
         mask[:, :, 0] |= pad_rows
 
+        parts: list[tuple[torch.Tensor, RaggedBatchMetadata]] = []
+        single = [n == 1 for n in new_tokens]
+        if split and any(single) and not all(single):
+            for want in (True, False):
+                group = [s for s in range(n_seq) if single[s] == want]
+                index = torch.cat([starts[s] + torch.arange(new_tokens[s]) for s in group])
+                sub = cls.build(
+                    [seen_tokens[s] for s in group],
+                    [new_tokens[s] for s in group],
+                    [block_tables[s] for s in group],
+                    block_size,
+                    device,
+                    split=False,
+                )
+                parts.append((index.to(device), sub))
+
         return cls(
             positions=positions.to(device),
             slots=slots.to(device),
@@ -113,6 +137,7 @@ class RaggedBatchMetadata:
             block_tables=tables.to(device),
             mask=mask[:, None].to(device),
             block_size=block_size,
+            parts=tuple(parts),
         )
 
 
@@ -138,13 +163,24 @@ def paged_attention(
         )
     if heads % kv_heads:
         raise ValueError(f"query heads ({heads}) must be a multiple of kv heads ({kv_heads}).")
+    if meta.parts:
+        out = query.new_empty(tokens, heads, head_dim)
+        for index, part in meta.parts:
+            out[index] = paged_attention(query[index], key_cache, value_cache, part, scale)
+        return out
+    seqs, max_new = meta.query_index.shape
+    group = heads // kv_heads
     q = query[meta.query_index].transpose(1, 2)  # (seqs, heads, max_new, head_dim)
     k = key_cache[meta.block_tables].flatten(1, 2).transpose(1, 2)  # (seqs, kv_heads, ctx, d)
     v = value_cache[meta.block_tables].flatten(1, 2).transpose(1, 2)
-    if kv_heads != heads:
-        k = k.repeat_interleave(heads // kv_heads, dim=1)
-        v = v.repeat_interleave(heads // kv_heads, dim=1)
+    mask = meta.mask
+    if group > 1:
+        # GQA without copying keys/values per query head: the `group` query heads of one kv
+        # head become extra query rows of it (row g * max_new + i), the mask repeated to match
+        q = q.reshape(seqs, kv_heads, group * max_new, head_dim)
+        mask = mask.repeat(1, 1, group, 1)
     out = F.scaled_dot_product_attention(
-        q, k.to(q.dtype), v.to(q.dtype), attn_mask=meta.mask, scale=scale
+        q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale
     )
+    out = out.reshape(seqs, heads, max_new, head_dim)
     return out.transpose(1, 2)[meta.token_seq, meta.token_offset]
