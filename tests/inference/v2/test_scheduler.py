@@ -164,7 +164,9 @@ def test_thousand_random_requests_with_aborts_return_every_block() -> None:
                 head = [7, 8, 9, 10] if rng.random() < 0.3 else []
                 prompt = head + [rng.randrange(1, 256) for _ in range(rng.randint(1, 10))]
                 params = SamplingParams(
-                    max_new_tokens=rng.randint(1, 6), do_sample=rng.random() < 0.5
+                    max_new_tokens=rng.randint(1, 6),
+                    do_sample=rng.random() < 0.5,
+                    seed=rng.randrange(2**31),
                 )
                 live.add(sched.add_request(prompt, params))
                 added += 1

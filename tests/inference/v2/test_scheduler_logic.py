@@ -106,6 +106,7 @@ def test_randomized_thousand_requests_with_aborts_leak_nothing() -> None:
                 params = SamplingParams(
                     max_new_tokens=rng.randint(1, 8),
                     do_sample=rng.random() < 0.5,
+                    seed=rng.randrange(2**31),  # not torch's global generator: repeatable
                     stop_token_ids=[rng.randrange(VOCAB)],
                 )
                 live.add(sched.add_request(prompt, params))
