@@ -1,5 +1,20 @@
 """Inference v2 (DeepSpeed's FastGen): ragged batching over a blocked KV cache.
 
-Only the foundation lives here so far: ``ragged/`` holds the block allocator, the blocked KV
-cache with per-sequence block tables and paged attention in plain PyTorch.
+``ragged/`` holds the block allocator, the blocked KV cache, paged attention and the state
+manager (sequence tracking, prefix sharing); ``model/`` the pure ragged forward of the supported
+Hugging Face families; :class:`InferenceEngineV2` puts ragged batches through them and
+:func:`build_hf_engine` builds one from a Hugging Face model or its local path.
 """
+
+from shardspeed.inference.v2.config_v2 import RaggedInferenceEngineConfig
+from shardspeed.inference.v2.engine_factory import build_hf_engine
+from shardspeed.inference.v2.engine_v2 import InferenceEngineV2
+from shardspeed.inference.v2.scheduling_utils import SchedulingError, SchedulingResult
+
+__all__ = [
+    "InferenceEngineV2",
+    "RaggedInferenceEngineConfig",
+    "SchedulingError",
+    "SchedulingResult",
+    "build_hf_engine",
+]

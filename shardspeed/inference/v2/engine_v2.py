@@ -1,0 +1,300 @@
+"""``InferenceEngineV2``: ragged batches of many sequences over one blocked KV cache.
+
+One :meth:`InferenceEngineV2.put` is one forward pass: every sequence of the batch brings its
+next tokens (a whole prompt, a chunk of one, or one decode token), the engine reserves the KV
+blocks they need, builds the batch metadata once, runs the pure :class:`RaggedCausalLM` forward
+and returns the logits of each sequence's last token. Sequences live until :meth:`flush`.
+Scheduling decisions (what to put when) belong to the caller; :meth:`query` and
+:meth:`can_schedule` answer what fits (DeepSpeed's semantics).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import nn
+
+from shardspeed.accelerator import get_accelerator
+from shardspeed.inference.v2.config_v2 import AllocationMode, RaggedInferenceEngineConfig
+from shardspeed.inference.v2.model.ragged_lm import RaggedCausalLM
+from shardspeed.inference.v2.ragged.kv_cache import BlockedKVCache
+from shardspeed.inference.v2.ragged.paged_attention import RaggedBatchMetadata
+from shardspeed.inference.v2.ragged.state_manager import DSStateManager, TrackedSequence
+from shardspeed.inference.v2.scheduling_utils import SchedulingError, SchedulingResult
+
+__all__ = ["InferenceEngineV2"]
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class InferenceEngineV2:
+    """Runs ``model`` (a :class:`RaggedCausalLM`, or a Hugging Face model to wrap in one) over
+    ragged batches under ``config`` (a :class:`RaggedInferenceEngineConfig` or its dict)."""
+
+    def __init__(
+        self,
+        model: RaggedCausalLM | nn.Module,
+        config: RaggedInferenceEngineConfig | dict | None = None,
+    ) -> None:
+        if config is None or isinstance(config, dict):
+            config = RaggedInferenceEngineConfig.from_dict(config or {})
+        self._config = config
+        self._model = model if isinstance(model, RaggedCausalLM) else RaggedCausalLM(model)
+        sm = config.state_manager
+        self._block_size = sm.kv_block_size
+        self._max_context = sm.max_context
+        cache_dtype = config.kv_cache_dtype or self._model.dtype
+        self._cache = BlockedKVCache(
+            self._model.num_layers,
+            self._num_blocks(cache_dtype),
+            self._block_size,
+            self._model.kv_heads,
+            self._model.head_dim,
+            dtype=cache_dtype,
+            device=self._model.device,
+        )
+        self._state = DSStateManager(sm, self._cache)
+        self.computed_tokens = 0
+        """Tokens run through the model so far (prefix-cache hits excluded)."""
+        self.prefix_hit_tokens = 0
+        """Tokens taken from the prefix cache instead of computed, so far."""
+
+    def _num_blocks(self, dtype: torch.dtype) -> int:
+        sm = self._config.state_manager
+        memory = sm.memory_config
+        if memory.mode == AllocationMode.ALLOCATE:
+            return memory.size
+        per_block = BlockedKVCache.block_bytes(
+            self._model.num_layers, self._block_size, self._model.kv_heads,
+            self._model.head_dim, dtype,
+        )  # fmt: skip
+        # never more than every tracked sequence at full context could use
+        most = sm.max_tracked_sequences * _ceil_div(sm.max_context, self._block_size)
+        blocks = min(most, (get_accelerator().available_memory() - memory.size) // per_block)
+        if blocks < 1:
+            raise ValueError(
+                f"state_manager.memory_config reserves {memory.size} bytes and leaves no room "
+                f"for one KV block ({per_block} bytes); lower memory_config.size or use "
+                "mode='allocate' with a number of blocks."
+            )
+        return int(blocks)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def model(self) -> RaggedCausalLM:
+        """The ragged model."""
+        return self._model
+
+    @property
+    def config(self) -> RaggedInferenceEngineConfig:
+        return self._config
+
+    @property
+    def free_blocks(self) -> int:
+        """How many KV blocks are free now."""
+        return self._cache.free_blocks
+
+    @property
+    def total_blocks(self) -> int:
+        """How many KV blocks the cache has."""
+        return self._cache.num_blocks
+
+    @property
+    def kv_block_size(self) -> int:
+        """Tokens per KV block."""
+        return self._block_size
+
+    @property
+    def max_context(self) -> int:
+        """Tokens one sequence may hold."""
+        return self._max_context
+
+    @property
+    def n_tracked_sequences(self) -> int:
+        """How many sequences are tracked now."""
+        return self._state.n_tracked_sequences
+
+    @property
+    def prefix_index_size(self) -> int:
+        """How many blocks the prefix cache indexes now."""
+        return self._state.prefix_index_size
+
+    def tracked(self, uid: int) -> bool:
+        """Whether ``uid`` is a live sequence (put and not flushed)."""
+        return self._state.get_sequence(uid) is not None
+
+    def seen_tokens(self, uid: int) -> int:
+        """How many tokens of ``uid`` are in the cache (0 for an unknown uid)."""
+        seq = self._state.get_sequence(uid)
+        return 0 if seq is None else seq.seen_tokens
+
+    def prefix_match(self, tokens: Sequence[int] | torch.Tensor) -> int:
+        """How many leading tokens a new sequence with prompt ``tokens`` would take from the
+        prefix cache (0 without prefix caching)."""
+        ids = tokens.reshape(-1).tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
+        return len(self._state.match_prefix(ids)) * self._block_size
+
+    def get_remaining_block_capacity(self, uid: int) -> int:
+        """Free token slots in the blocks ``uid`` already holds (0 for an unknown uid)."""
+        seq = self._state.get_sequence(uid)
+        if seq is None:
+            return 0
+        return seq.cur_allocated_blocks * self._block_size - seq.seen_tokens
+
+    # ------------------------------------------------------------------ scheduling
+    def _kv_requirements(
+        self, seq: TrackedSequence | None, max_new_tokens: int, max_new_blocks: int
+    ) -> tuple[int, int]:
+        """(tokens, blocks): how many of ``max_new_tokens`` fit in at most ``max_new_blocks``
+        more blocks, and the blocks they need."""
+        seen = 0 if seq is None else seq.seen_tokens
+        held = 0 if seq is None else seq.cur_allocated_blocks
+        needed = max(0, _ceil_div(seen + max_new_tokens, self._block_size) - held)
+        if needed <= max_new_blocks:
+            return max_new_tokens, needed
+        return max(0, (held + max_new_blocks) * self._block_size - seen), max_new_blocks
+
+    def query(self, uid: int, max_request_tokens: int, max_request_blocks: int) -> tuple[int, int]:
+        """(tokens, blocks): how many of ``uid``'s next ``max_request_tokens`` tokens can be
+        scheduled within ``max_request_blocks`` more KV blocks (and within ``max_context``), and
+        how many blocks that needs; (0, 0) for a new uid when no more sequences can be tracked."""
+        seq = self._state.get_sequence(uid)
+        if seq is None and self._state.n_tracked_sequences >= (
+            self._config.state_manager.max_tracked_sequences
+        ):
+            return 0, 0
+        seen = 0 if seq is None else seq.seen_tokens
+        tokens = max(0, min(max_request_tokens, self._max_context - seen))
+        return self._kv_requirements(seq, tokens, max_request_blocks)
+
+    def can_schedule(self, uids: Iterable[int], lengths: Iterable[int]) -> SchedulingResult:
+        """Whether a batch giving each of ``uids`` its ``lengths`` new tokens can run now."""
+        uids, lengths = list(uids), list(lengths)
+        sm = self._config.state_manager
+        if len(uids) > sm.max_ragged_sequence_count:
+            return SchedulingResult.BatchSequenceLimitExceeded
+        tracked = self._state.n_tracked_sequences
+        free = self._cache.free_blocks
+        batch_tokens = 0
+        for uid, length in zip(uids, lengths, strict=True):
+            seq = self._state.get_sequence(uid)
+            tracked += seq is None
+            if (0 if seq is None else seq.seen_tokens) + length > self._max_context:
+                return SchedulingResult.SequenceTokenLimitExceeded
+            tokens, blocks = self._kv_requirements(seq, length, free)
+            if tokens != length:
+                return SchedulingResult.KVCacheLimitExceeded
+            free -= blocks
+            batch_tokens += length
+        if tracked > sm.max_tracked_sequences:
+            return SchedulingResult.EngineSequenceLimitExceeded
+        if batch_tokens > sm.max_ragged_batch_size:
+            return SchedulingResult.BatchTokenLimitExceeded
+        return SchedulingResult.Success
+
+    # ------------------------------------------------------------------ the forward
+    def put(
+        self,
+        batch_uids: Iterable[int],
+        batch_tokens: Iterable[torch.Tensor],
+        do_checks: bool = True,
+    ) -> torch.Tensor:
+        """Run one forward over the batch: ``batch_tokens[i]`` are the next tokens of sequence
+        ``batch_uids[i]`` (a new uid starts a sequence). Returns float32 logits
+        (len(batch_uids), vocab) of each sequence's last token."""
+        uids = [int(u) for u in batch_uids]
+        runs = [torch.as_tensor(t).reshape(-1).to(torch.int64) for t in batch_tokens]
+        self._check_batch(uids, runs, do_checks)
+
+        seqs: list[TrackedSequence] = []
+        new_runs: list[torch.Tensor] = []
+        for uid, run in zip(uids, runs, strict=True):
+            seq = self._state.get_sequence(uid)
+            if seq is None:
+                seq = self._state.get_or_create_sequence(uid)
+                covered = self._state.adopt_prefix(seq, run.tolist())
+                self.prefix_hit_tokens += covered
+                run = run[covered:]
+            self._cache.reserve(seq, run.numel())
+            seq.tokens.extend(run.tolist())
+            seq.pre_forward(run.numel())
+            seqs.append(seq)
+            new_runs.append(run)
+
+        device = self._model.device
+        meta = RaggedBatchMetadata.build(
+            [s.seen_tokens for s in seqs],
+            [r.numel() for r in new_runs],
+            [s.block_ids for s in seqs],
+            self._block_size,
+            device=device,
+        )
+        flat = torch.cat(new_runs).to(device)
+        logits = self._model(flat, meta, self._cache)
+        self.computed_tokens += flat.numel()
+        for seq in seqs:
+            seq.post_forward()
+            self._state.index_full_blocks(seq)
+        return logits
+
+    def _check_batch(self, uids: list[int], runs: list[torch.Tensor], do_checks: bool) -> None:
+        """ValueError (nothing changed) for a batch that cannot run as given."""
+        if len(uids) != len(runs) or not uids:
+            raise ValueError(
+                f"put needs one token tensor per uid and at least one uid; got {len(uids)} "
+                f"uid(s) and {len(runs)} tensor(s)."
+            )
+        if len(set(uids)) != len(uids):
+            dup = next(u for u in uids if uids.count(u) > 1)
+            raise ValueError(
+                f"uid {dup} appears twice in one put; give each sequence one run of tokens."
+            )
+        needed_blocks = 0
+        new_uids = sum(self._state.get_sequence(u) is None for u in uids)
+        limit = self._config.state_manager.max_tracked_sequences
+        if not do_checks and self._state.n_tracked_sequences + new_uids > limit:
+            raise SchedulingError(
+                SchedulingResult.EngineSequenceLimitExceeded,
+                f": {new_uids} new sequence(s) with {self._state.n_tracked_sequences} tracked "
+                f"exceed state_manager.max_tracked_sequences={limit}; flush finished sequences.",
+            )
+        for uid, run in zip(uids, runs, strict=True):
+            if run.numel() == 0:
+                raise ValueError(f"sequence {uid}: put needs at least one token.")
+            seq = self._state.get_sequence(uid)
+            seen = 0 if seq is None else seq.seen_tokens
+            if seen + run.numel() > self._max_context:
+                raise SchedulingError(
+                    SchedulingResult.SequenceTokenLimitExceeded,
+                    f": sequence {uid} would hold {seen + run.numel()} tokens, over "
+                    f"state_manager.max_context={self._max_context}; shorten the request or "
+                    "raise max_context.",
+                )
+            needed_blocks += self._kv_requirements(seq, run.numel(), 1 << 62)[1]
+        if do_checks:
+            result = self.can_schedule(uids, [r.numel() for r in runs])
+            if result != SchedulingResult.Success:
+                sm = self._config.state_manager
+                raise SchedulingError(
+                    result,
+                    f": {len(uids)} sequence(s), {sum(r.numel() for r in runs)} token(s), "
+                    f"{needed_blocks} new KV block(s) of {self._cache.free_blocks} free "
+                    f"(limits: max_ragged_sequence_count={sm.max_ragged_sequence_count}, "
+                    f"max_ragged_batch_size={sm.max_ragged_batch_size}, "
+                    f"max_tracked_sequences={sm.max_tracked_sequences}); put fewer tokens or "
+                    "flush finished sequences.",
+                )
+        elif needed_blocks > self._cache.free_blocks:
+            # without the checks a too-large batch must still fail before changing anything
+            raise SchedulingError(
+                SchedulingResult.KVCacheLimitExceeded,
+                f": the batch needs {needed_blocks} new KV blocks and {self._cache.free_blocks} "
+                "are free; flush finished sequences or put fewer tokens.",
+            )
+
+    def flush(self, uid: int) -> None:
+        """Forget sequence ``uid`` and free its KV blocks (ValueError when it is not tracked)."""
+        self._state.flush_sequence(uid)

@@ -1,0 +1,212 @@
+"""``RaggedCausalLM``: one forward pass of a Hugging Face causal LM over a ragged batch.
+
+The flat run of new tokens of every sequence in the batch goes through the model's own
+submodules (embeddings, norms, projections, MLPs, MoE blocks, the output head) as a
+(tokens, hidden) matrix; only attention is replaced: each layer writes the new tokens' keys and
+values into the blocked KV cache and runs :func:`paged_attention` over every sequence's cached
+tokens. The module holds no cache, no loop and no mode: the engine owns the cache and the batch
+metadata and passes them in. Tensor parallelism needs nothing here: AutoTP's row-parallel
+linears all-reduce and its vocabulary-parallel head gathers the logits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardspeed.inference.v2.ragged.kv_cache import BlockedKVCache
+from shardspeed.inference.v2.ragged.paged_attention import RaggedBatchMetadata, paged_attention
+
+__all__ = ["SUPPORTED_FAMILIES", "RaggedCausalLM"]
+
+# model_type -> layout: "rotary" (Llama-style decoder: q/k/v/o projections, rotary positions,
+# RMSNorm, MLP or MoE block) or "gpt2" (fused Conv1D qkv, learned positions, LayerNorm)
+_LAYOUTS = {
+    "llama": "rotary",
+    "mistral": "rotary",
+    "qwen2": "rotary",
+    "qwen3": "rotary",
+    "mixtral": "rotary",
+    "gpt2": "gpt2",
+}
+SUPPORTED_FAMILIES: tuple[str, ...] = tuple(_LAYOUTS)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of ``x`` (tokens, heads, head_dim) with ``cos``/``sin`` (tokens, dim)."""
+    return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
+
+
+def _windowed(meta: RaggedBatchMetadata, window: int) -> RaggedBatchMetadata:
+    """``meta`` with its mask also hiding keys ``window`` or more positions behind the query
+    (Hugging Face's sliding window: key ``k`` is seen from query ``q`` when ``k > q - window``)."""
+    query_pos = meta.positions[meta.query_index]  # (seqs, max_new); padding rows: junk
+    key_pos = torch.arange(meta.mask.shape[-1], device=meta.mask.device)
+    near = key_pos[None, None, :] > query_pos[:, :, None] - window
+    mask = meta.mask & near[:, None]
+    # padding rows (and only they) may have lost their one visible key: give it back
+    mask[..., 0] |= ~mask.any(dim=-1)
+    return dataclasses.replace(meta, mask=mask)
+
+
+class RaggedCausalLM(nn.Module):
+    """A Hugging Face causal LM of a supported family, run over ragged batches.
+
+    ``forward(input_ids (T,), meta, cache)`` returns the float logits (sequences, vocab) of each
+    sequence's last new token. ``num_layers``, ``kv_heads`` (this rank's) and ``head_dim`` size
+    the KV cache.
+    """
+
+    def __init__(self, hf_model: nn.Module) -> None:
+        super().__init__()
+        config = getattr(hf_model, "config", None)
+        family = getattr(config, "model_type", None)
+        if family not in _LAYOUTS:
+            raise ValueError(
+                f"inference v2 does not support model_type={family!r} "
+                f"({type(hf_model).__name__}); supported families: "
+                f"{', '.join(SUPPORTED_FAMILIES)}."
+            )
+        self.family: str = family
+        self.layout = _LAYOUTS[family]
+        self.hf_model = hf_model.eval()
+        self.config = config
+        if self.layout == "gpt2":
+            base = hf_model.transformer
+            self.layers = base.h
+            attn = self.layers[0].attn
+            self.head_dim = int(attn.head_dim)
+            self.kv_heads = int(attn.split_size) // self.head_dim
+        else:
+            base = hf_model.model
+            self.layers = base.layers
+            attn = self.layers[0].self_attn
+            self.head_dim = int(attn.head_dim)
+            self.kv_heads = int(_out_features(attn.k_proj)) // self.head_dim
+        self.base = base
+        self.num_layers = len(self.layers)
+        self.vocab_size = int(config.vocab_size)
+        self._windows = [self._sliding_window(layer) for layer in self.layers]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the model's weights."""
+        return next(self.hf_model.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model's weights live."""
+        return next(self.hf_model.parameters()).device
+
+    def _sliding_window(self, layer: nn.Module) -> int | None:
+        if self.layout == "gpt2":
+            return None
+        attn = layer.self_attn
+        if hasattr(attn, "sliding_window"):  # Qwen2/3: per layer (None on full layers)
+            window = attn.sliding_window
+        else:  # Mistral, Mixtral: every layer
+            window = getattr(self.config, "sliding_window", None)
+        return int(window) if window else None
+
+    @torch.no_grad()
+    def forward(
+        self, input_ids: torch.Tensor, meta: RaggedBatchMetadata, cache: BlockedKVCache
+    ) -> torch.Tensor:
+        """Logits (sequences, vocab), float32, of each sequence's last new token."""
+        if input_ids.dim() != 1 or input_ids.numel() != meta.num_tokens:
+            raise ValueError(
+                f"input_ids must be the flat run of the batch's {meta.num_tokens} new tokens, "
+                f"got shape {tuple(input_ids.shape)}."
+            )
+        if cache.num_layers != self.num_layers or cache.kv_heads != self.kv_heads:
+            raise ValueError(
+                f"the KV cache has {cache.num_layers} layers of {cache.kv_heads} kv heads; the "
+                f"model needs {self.num_layers} of {self.kv_heads}."
+            )
+        metas: dict[int | None, RaggedBatchMetadata] = {None: meta}
+        for window in set(self._windows) - {None}:
+            metas[window] = _windowed(meta, window)
+        if self.layout == "gpt2":
+            hidden = self._gpt2_layers(input_ids, meta, metas, cache)
+            hidden = self.base.ln_f(self._last_tokens(hidden, meta))
+        else:
+            hidden = self._rotary_layers(input_ids, meta, metas, cache)
+            hidden = self.base.norm(self._last_tokens(hidden, meta))
+        logits = self.hf_model.lm_head(hidden)
+        return logits.float()
+
+    @staticmethod
+    def _last_tokens(hidden: torch.Tensor, meta: RaggedBatchMetadata) -> torch.Tensor:
+        """The rows of each sequence's last new token (unembedding only those)."""
+        counts = torch.bincount(meta.token_seq)
+        return hidden[torch.cumsum(counts, 0) - 1]
+
+    def _rotary_layers(
+        self,
+        input_ids: torch.Tensor,
+        meta: RaggedBatchMetadata,
+        metas: dict[int | None, RaggedBatchMetadata],
+        cache: BlockedKVCache,
+    ) -> torch.Tensor:
+        hidden = self.base.embed_tokens(input_ids)
+        # the model's own rotary module (its scaling variant included), batch of one row
+        cos, sin = self.base.rotary_emb(hidden[None], meta.positions[None])
+        cos, sin = cos[0], sin[0]
+        tokens = hidden.shape[0]
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(hidden)
+            q = attn.q_proj(x).view(tokens, -1, self.head_dim)
+            k = attn.k_proj(x).view(tokens, -1, self.head_dim)
+            v = attn.v_proj(x).view(tokens, -1, self.head_dim)
+            if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            cache.write(i, meta.slots, k, v)
+            out = paged_attention(
+                q, cache.keys[i], cache.values[i], metas[self._windows[i]], scale=attn.scaling
+            )
+            hidden = hidden + attn.o_proj(out.reshape(tokens, -1))
+            x = layer.post_attention_layernorm(hidden)
+            # MoE blocks (Mixtral) take (batch, seq, hidden): the flat run is one row
+            hidden = hidden + layer.mlp(x[None])[0]
+        return hidden
+
+    def _gpt2_layers(
+        self,
+        input_ids: torch.Tensor,
+        meta: RaggedBatchMetadata,
+        metas: dict[int | None, RaggedBatchMetadata],
+        cache: BlockedKVCache,
+    ) -> torch.Tensor:
+        hidden = self.base.wte(input_ids) + self.base.wpe(meta.positions)
+        tokens = hidden.shape[0]
+        for i, block in enumerate(self.layers):
+            attn = block.attn
+            x = block.ln_1(hidden)
+            q, k, v = attn.c_attn(x).split(attn.split_size, dim=-1)
+            q = q.reshape(tokens, -1, self.head_dim)
+            k = k.reshape(tokens, -1, self.head_dim)
+            v = v.reshape(tokens, -1, self.head_dim)
+            cache.write(i, meta.slots, k, v)
+            out = paged_attention(q, cache.keys[i], cache.values[i], meta, scale=attn.scaling)
+            hidden = hidden + attn.c_proj(out.reshape(tokens, -1))
+            hidden = hidden + block.mlp(block.ln_2(hidden))
+        return hidden
+
+
+def _out_features(linear: Any) -> int:
+    """Output width of a linear (``nn.Linear``, AutoTP's replacements or a ``Conv1D``)."""
+    if hasattr(linear, "out_features"):
+        return int(linear.out_features)
+    if hasattr(linear, "nf"):
+        return int(linear.nf)
+    return int(linear.weight.shape[0])

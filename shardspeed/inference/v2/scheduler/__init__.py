@@ -1,0 +1,8 @@
+"""Layer 2 of inference v2: the request scheduler (continuous batching, Dynamic SplitFuse,
+preemption), per-request sampling and the background-thread engine the server uses."""
+
+from shardspeed.inference.v2.scheduler.requests import ScheduledChunk, TokenEvent
+from shardspeed.inference.v2.scheduler.sampling import SamplingParams, sample
+from shardspeed.inference.v2.scheduler.scheduler import RaggedScheduler
+
+__all__ = ["RaggedScheduler", "SamplingParams", "ScheduledChunk", "TokenEvent", "sample"]

@@ -1,0 +1,74 @@
+"""The scheduler's data: what a step reports per token and what it keeps per request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from shardspeed.inference.v2.scheduler.sampling import SamplingParams
+
+__all__ = ["FinishReason", "Request", "ScheduledChunk", "TokenEvent"]
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token of request ``uid``; ``finished`` on its last token, with the reason
+    ("stop": a stop/end-of-sequence token, included as ``token``; "length": max_new_tokens)."""
+
+    uid: int
+    token: int
+    finished: bool
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """One sequence's part of a step's ragged batch: ``length`` tokens from position ``start``;
+    ``samples`` when the chunk ends the known tokens, so its logits give a new token (a decode
+    token, or the last chunk of a prompt)."""
+
+    uid: int
+    start: int
+    length: int
+    samples: bool
+
+    @property
+    def is_decode(self) -> bool:
+        """A single token after the prompt (a generated token fed back)."""
+        return self.length == 1 and self.samples and self.start > 0
+
+
+@dataclass
+class Request:
+    """A request the scheduler holds: its prompt, generated tokens, sampler state and how many of
+    its tokens the engine has cached (``computed``; 0 while waiting or after a preemption)."""
+
+    uid: int
+    prompt: list[int]
+    params: SamplingParams
+    arrival: int
+    generated: list[int] = field(default_factory=list)
+    computed: int = 0
+    generator: torch.Generator | None = None
+    admitted_at: int | None = None
+    preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens: the sequence the engine must cache before the next
+        sample (all but the last generated token, which is fed on the next step)."""
+        return len(self.prompt) + len(self.generated)
+
+    @property
+    def pending(self) -> int:
+        """How many known tokens the engine has not seen yet."""
+        return self.num_tokens - self.computed
+
+    def tokens(self, start: int, length: int) -> list[int]:
+        """Tokens ``start .. start + length`` of prompt + generated."""
+        seq = self.prompt + self.generated if start + length > len(self.prompt) else self.prompt
+        return seq[start : start + length]

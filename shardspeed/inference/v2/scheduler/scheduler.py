@@ -1,0 +1,343 @@
+"""Continuous batching with Dynamic SplitFuse over an ``InferenceEngineV2``.
+
+Each ``step`` builds one ragged batch and makes one ``engine.put``: first the decode token of
+every running sequence (oldest admitted first), then prompt chunks fill what is left of the
+step's token budget, first for admitted sequences whose prompt is not done, then for newly
+admitted requests in arrival order (a long prompt is split over several steps; only the step
+with its last chunk samples a token). A request is admitted when the engine says its chunk's KV
+blocks fit (``engine.query``). When a decode token needs a block and none is free, the
+newest-admitted sequence is preempted: flushed from the engine and requeued first with its prompt
+plus generated tokens as the prompt to recompute; its sampler generator carries on, so its tokens
+are those of an unpreempted run.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from shardspeed.inference.v2.scheduler.requests import (
+    FinishReason,
+    Request,
+    ScheduledChunk,
+    TokenEvent,
+)
+from shardspeed.inference.v2.scheduler.sampling import SamplingParams, make_generator, sample
+
+__all__ = ["RaggedScheduler"]
+
+
+class _Engine(Protocol):
+    """What the scheduler uses of ``InferenceEngineV2``."""
+
+    free_blocks: int
+    total_blocks: int
+    kv_block_size: int
+    max_context: int
+
+    def put(
+        self, batch_uids: Iterable[int], batch_tokens: Iterable[torch.Tensor], do_checks: bool = ...
+    ) -> torch.Tensor: ...
+
+    def query(self, uid: int, max_request_tokens: int, max_request_blocks: int) -> tuple[int, int]: ...
+
+    def flush(self, uid: int) -> None: ...
+
+
+def _state_limit(engine: Any, name: str) -> int | None:
+    """``engine``'s ``state_manager.<name>`` limit when its config exposes one."""
+    config = getattr(engine, "config", None) or getattr(engine, "_config", None)
+    value = getattr(getattr(config, "state_manager", None), name, None)
+    return value if isinstance(value, int) else None
+
+
+class RaggedScheduler:
+    """Schedules requests over ``engine`` (an ``InferenceEngineV2``) one ragged batch per step.
+
+    ``token_budget``: most tokens per step (default: the engine's ``max_ragged_batch_size``, else
+    768). ``eos_token_ids``: end-of-sequence tokens that stop a request unless its params say
+    ``ignore_eos``. ``max_sequences``: most sequences per step (default: the engine's
+    ``max_ragged_sequence_count``, else 512).
+    """
+
+    def __init__(
+        self,
+        engine: _Engine,
+        token_budget: int | None = None,
+        eos_token_ids: int | Iterable[int] | None = None,
+        max_sequences: int | None = None,
+    ) -> None:
+        batch_limit = _state_limit(engine, "max_ragged_batch_size")
+        seq_limit = _state_limit(engine, "max_ragged_sequence_count")
+        if token_budget is None:
+            token_budget = batch_limit or 768
+        if isinstance(token_budget, bool) or not isinstance(token_budget, int) or token_budget < 1:
+            raise ValueError(f"token_budget must be an integer >= 1, got {token_budget!r}.")
+        if batch_limit is not None and token_budget > batch_limit:
+            raise ValueError(
+                f"token_budget={token_budget} exceeds the engine's max_ragged_batch_size="
+                f"{batch_limit}; lower token_budget or raise state_manager.max_ragged_batch_size."
+            )
+        if max_sequences is None:
+            max_sequences = seq_limit or 512
+        if max_sequences < 1 or (seq_limit is not None and max_sequences > seq_limit):
+            raise ValueError(
+                f"max_sequences must be in 1..{seq_limit or 'inf'} (the engine's "
+                f"max_ragged_sequence_count), got {max_sequences}."
+            )
+        if eos_token_ids is None:
+            eos: frozenset[int] = frozenset()
+        elif isinstance(eos_token_ids, int):
+            eos = frozenset([eos_token_ids])
+        else:
+            eos = frozenset(int(t) for t in eos_token_ids)
+        self.engine = engine
+        self.token_budget = token_budget
+        self.max_sequences = max_sequences
+        self.eos_token_ids = eos
+        self._waiting: deque[Request] = deque()
+        # Insertion order is admission order: the last entry is the newest-admitted sequence.
+        self._running: dict[int, Request] = {}
+        self._next_uid = 0
+        self._arrivals = 0
+        self.num_steps = 0
+        self.num_preemptions = 0
+        self.last_step: list[ScheduledChunk] = []
+
+    # ------------------------------------------------------------------ requests
+    @property
+    def has_work(self) -> bool:
+        """Whether any request waits or runs."""
+        return bool(self._waiting or self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not admitted yet (or preempted and requeued)."""
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        """Requests the engine holds KV blocks for."""
+        return len(self._running)
+
+    def _in_use(self, uid: int) -> bool:
+        return uid in self._running or any(r.uid == uid for r in self._waiting)
+
+    def check_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise ValueError unless a request of ``prompt_ids`` with ``params`` can ever run: its
+        prompt plus ``max_new_tokens - 1`` tokens (the last token is never fed back) must fit the
+        engine's ``max_context`` and its KV cache."""
+        if len(prompt_ids) == 0:
+            raise ValueError("a request needs at least one prompt token, got an empty prompt.")
+        cached = len(prompt_ids) + params.max_new_tokens - 1
+        if cached > self.engine.max_context:
+            raise ValueError(
+                f"the request needs {cached} tokens of context (prompt {len(prompt_ids)} + "
+                f"max_new_tokens {params.max_new_tokens} - 1) and the engine's max_context is "
+                f"{self.engine.max_context}; shorten the prompt or lower max_new_tokens."
+            )
+        block = self.engine.kv_block_size
+        blocks = -(-cached // block)
+        if blocks > self.engine.total_blocks:
+            raise ValueError(
+                f"the request needs {blocks} KV blocks of {block} tokens (prompt "
+                f"{len(prompt_ids)} + max_new_tokens {params.max_new_tokens} - 1 = {cached} "
+                f"tokens) and the cache has {self.engine.total_blocks}; shorten the request or "
+                "give the cache more memory."
+            )
+
+    def add_request(
+        self, prompt_ids: Sequence[int] | torch.Tensor, params: SamplingParams, uid: int | None = None
+    ) -> int:
+        """Queue a request and return its uid (``uid``, or the next free one)."""
+        if isinstance(prompt_ids, torch.Tensor):
+            prompt = [int(t) for t in prompt_ids.reshape(-1).tolist()]
+        else:
+            prompt = [int(t) for t in prompt_ids]
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}.")
+        self.check_request(prompt, params)
+        if uid is None:
+            while self._in_use(self._next_uid):
+                self._next_uid += 1
+            uid = self._next_uid
+            self._next_uid += 1
+        elif self._in_use(uid):
+            raise ValueError(f"uid {uid} is in use by an unfinished request; pick another uid.")
+        request = Request(uid=uid, prompt=prompt, params=params, arrival=self._arrivals)
+        self._arrivals += 1
+        if params.do_sample:
+            # Made at arrival, not at the first sample, so that unseeded requests draw their
+            # seeds from torch's global generator in a repeatable order.
+            request.generator = make_generator(params)
+        self._waiting.append(request)
+        return uid
+
+    def abort(self, uid: int) -> bool:
+        """Drop request ``uid`` and free its KV blocks; False when no such request is
+        unfinished (it may have just finished)."""
+        if uid in self._running:
+            request = self._running.pop(uid)
+            if request.computed:
+                self.engine.flush(uid)
+            return True
+        for request in self._waiting:
+            if request.uid == uid:
+                self._waiting.remove(request)
+                return True
+        return False
+
+    # ------------------------------------------------------------------ stepping
+    def step(self) -> list[TokenEvent]:
+        """Run one ragged batch through the engine and return the tokens it generated."""
+        if not self.has_work:
+            self.last_step = []
+            return []
+        chunks = self._compose()
+        requests = [self._running[c.uid] for c in chunks]
+        tokens = [
+            torch.tensor(r.tokens(c.start, c.length), dtype=torch.long)
+            for r, c in zip(requests, chunks, strict=True)
+        ]
+        logits = self.engine.put([c.uid for c in chunks], tokens)
+        # Sampling runs on the CPU with CPU generators: the same draws whatever the device.
+        logits = logits.detach().float().cpu()
+        self.num_steps += 1
+        self.last_step = chunks
+        events = []
+        for i, (request, chunk) in enumerate(zip(requests, chunks, strict=True)):
+            request.computed += chunk.length
+            if chunk.samples:
+                events.append(self._sample(request, logits[i]))
+        return events
+
+    def run_to_completion(self) -> dict[int, list[int]]:
+        """Step until no request is left; the generated tokens of every request that finished
+        meanwhile, by uid."""
+        outputs: dict[int, list[int]] = {}
+        while self.has_work:
+            for event in self.step():
+                outputs.setdefault(event.uid, []).append(event.token)
+        return outputs
+
+    def _sample(self, request: Request, logits: torch.Tensor) -> TokenEvent:
+        """Draw ``request``'s next token; finish it (flush) on a stop token or its length."""
+        params = request.params
+        stops = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stops |= self.eos_token_ids
+        suppress = stops if len(request.generated) < params.min_new_tokens else ()
+        token = sample(logits, params, request.generator, suppress=suppress)
+        request.generated.append(token)
+        reason: FinishReason | None = None
+        if token in stops:
+            reason = "stop"
+        elif len(request.generated) >= params.max_new_tokens:
+            reason = "length"
+        if reason is not None:
+            del self._running[request.uid]
+            self.engine.flush(request.uid)
+        return TokenEvent(request.uid, token, reason is not None, reason)
+
+    # ------------------------------------------------------------------ batch composition
+    def _compose(self) -> list[ScheduledChunk]:
+        """This step's chunks: decode tokens first, then prompt chunks (SplitFuse)."""
+        while True:
+            batch = _Batch(self)
+            self._schedule_decodes(batch)
+            self._schedule_prefills(batch)
+            if batch.chunks:
+                return list(batch.chunks.values())
+            if not self._running:
+                raise RuntimeError(
+                    f"cannot schedule request {self._waiting[0].uid} with no sequence running: "
+                    f"the engine has {self.engine.free_blocks} of {self.engine.total_blocks} KV "
+                    "blocks free (something outside this scheduler holds the rest)."
+                )
+            # Every running sequence waits for blocks another holds: free the newest.
+            self._preempt(next(reversed(self._running)), batch)
+
+    def _schedule_decodes(self, batch: _Batch) -> None:
+        """One token for each sequence past its prompt, preempting the newest when blocks run
+        out."""
+        for uid in list(self._running):
+            request = self._running.get(uid)
+            if request is None or request.computed == 0 or request.pending != 1:
+                continue  # preempted meanwhile, or still in its prompt
+            if batch.full:
+                return
+            while True:
+                if batch.try_add(request, 1):
+                    break
+                victim = next(reversed(self._running))
+                self._preempt(victim, batch)
+                if victim == uid:
+                    break
+
+    def _schedule_prefills(self, batch: _Batch) -> None:
+        """Prompt chunks: unfinished prompts of admitted sequences, then new admissions."""
+        for request in list(self._running.values()):
+            if batch.full:
+                return
+            if request.uid not in batch.chunks and request.pending > 0:
+                batch.try_add(request, min(batch.budget, request.pending))
+        while self._waiting and not batch.full:
+            request = self._waiting[0]
+            if not batch.try_add(request, min(batch.budget, request.pending), admit=True):
+                return
+
+    def _preempt(self, uid: int, batch: _Batch) -> None:
+        """Flush sequence ``uid`` and requeue it first to recompute prompt + generated."""
+        request = self._running.pop(uid)
+        batch.remove(uid)
+        if request.computed:
+            self.engine.flush(uid)
+        request.computed = 0
+        request.admitted_at = None
+        request.preemptions += 1
+        self.num_preemptions += 1
+        self._waiting.appendleft(request)
+
+
+class _Batch:
+    """A step's batch under construction: its chunks and the tokens/blocks they take."""
+
+    def __init__(self, scheduler: RaggedScheduler) -> None:
+        self.scheduler = scheduler
+        self.chunks: dict[int, ScheduledChunk] = {}
+        self.blocks: dict[int, int] = {}
+        self.budget = scheduler.token_budget
+
+    @property
+    def full(self) -> bool:
+        """No token or sequence slot left."""
+        return self.budget == 0 or len(self.chunks) >= self.scheduler.max_sequences
+
+    def try_add(self, request: Request, want: int, admit: bool = False) -> bool:
+        """Add up to ``want`` of ``request``'s pending tokens if the KV cache has room for at
+        least one; ``admit`` moves it from the waiting queue to the running set."""
+        engine = self.scheduler.engine
+        free = engine.free_blocks - sum(self.blocks.values())
+        tokens, blocks = engine.query(request.uid, want, free)
+        if tokens <= 0:
+            return False
+        if admit:
+            self.scheduler._waiting.popleft()
+            self.scheduler._running[request.uid] = request
+            request.admitted_at = self.scheduler.num_steps
+        self.chunks[request.uid] = ScheduledChunk(
+            request.uid, request.computed, tokens, samples=tokens == request.pending
+        )
+        self.blocks[request.uid] = blocks
+        self.budget -= tokens
+        return True
+
+    def remove(self, uid: int) -> None:
+        """Take ``uid``'s chunk out again (it was preempted)."""
+        chunk = self.chunks.pop(uid, None)
+        if chunk is not None:
+            self.budget += chunk.length
+            del self.blocks[uid]
