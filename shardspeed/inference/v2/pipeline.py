@@ -85,13 +85,13 @@ class Pipeline:
         try:
             for ids in prompt_ids:
                 handles.append(generator.submit(ids, params))
-            responses = [self._collect(h, ids, stops) for h, ids in zip(handles, prompt_ids)]
+            responses = [self._collect(h, ids, stops) for h, ids in zip(handles, prompt_ids, strict=True)]
         except BaseException:
             for handle in handles:  # do not leave the rest generating for nobody
                 _abort(generator, handle.uid)
             raise
         if return_full_text:
-            for response, prompt in zip(responses, batch):
+            for response, prompt in zip(responses, batch, strict=True):
                 response.generated_text = prompt + response.generated_text
         return responses
 
@@ -99,7 +99,7 @@ class Pipeline:
         text = TextAssembler(self.tokenizer, stops)
         count = 0
         finish = "none"
-        for event in handle.tokens():
+        for event in handle.events():
             count += 1
             _, stopped = text.add(int(event.token), bool(event.finished))
             if stopped:

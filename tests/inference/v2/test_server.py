@@ -151,10 +151,15 @@ def test_streaming_equals_whole_response(client: Any, reference: Reference) -> N
     )  # fmt: skip
     pieces = [c.choices[0].text for c in chunks if c.choices]
     assert len(pieces) > 2  # really streamed, not one blob
-    assert "".join(pieces) == whole.choices[0].text == reference.text(reference.prompt_ids(prompt), 12)
+    assert (
+        "".join(pieces) == whole.choices[0].text == reference.text(reference.prompt_ids(prompt), 12)
+    )
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert finishes[-1] == whole.choices[0].finish_reason and set(finishes[:-1]) == {None}
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert (
+        chunks[-1].choices == []
+        and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    )
 
     messages = [{"role": "user", "content": "w9 w10"}]
     chat_whole = client.chat.completions.create(
@@ -192,7 +197,7 @@ def test_eight_concurrent_requests(client: Any, reference: Reference) -> None:
 
     with ThreadPoolExecutor(8) as pool:
         got = list(pool.map(ask, range(8)))
-    want = [reference.text(reference.prompt_ids(p), n) for p, n in zip(prompts, lengths)]
+    want = [reference.text(reference.prompt_ids(p), n) for p, n in zip(prompts, lengths, strict=True)]
     assert got == want
 
 
@@ -267,7 +272,6 @@ if os.environ.get("SERVE_FAKE"):
     import threading
     from dataclasses import dataclass
 
-    import torch
 
     @dataclass
     class _Ev:

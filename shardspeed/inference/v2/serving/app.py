@@ -115,7 +115,9 @@ def _prompt_ids(context: ServingContext, prompt: str | list[int] | list[str]) ->
         vocab = len(context.tokenizer)
         bad = [t for t in prompt if not 0 <= int(t) < vocab]
         if bad:
-            raise APIError(f"prompt: token ids {bad[:4]} are outside the vocabulary", param="prompt")
+            raise APIError(
+                f"prompt: token ids {bad[:4]} are outside the vocabulary", param="prompt"
+            )
         return [int(t) for t in prompt]
     text = prompt[0] if isinstance(prompt, list) else prompt
     ids = list(context.tokenizer(str(text))["input_ids"])
@@ -135,7 +137,9 @@ def _chat_ids(context: ServingContext, request: ChatCompletionRequest) -> list[i
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     except Exception as exc:  # noqa: BLE001 - a template may reject a conversation (roles)
-        raise APIError(f"messages: the chat template refused them: {exc}", param="messages") from exc
+        raise APIError(
+            f"messages: the chat template refused them: {exc}", param="messages"
+        ) from exc
     # the template writes the special tokens (BOS) itself
     return list(tokenizer(str(text), add_special_tokens=False)["input_ids"])
 

@@ -97,7 +97,7 @@ def load_generator(
     if max_batch_tokens is not None:
         state.setdefault("max_ragged_batch_size", max_batch_tokens)
     config["state_manager"] = state
-    engine = build_hf_engine(model_path, RaggedInferenceEngineConfig(**config))
+    engine = build_hf_engine(model_path, RaggedInferenceEngineConfig.from_dict(config))
     eos = _eos_ids(model_path, hf_config, tokenizer)
     generator = AsyncGenerationEngine(engine, token_budget=max_batch_tokens, eos_token_ids=eos)
     return LoadedGenerator(
