@@ -85,7 +85,9 @@ class Pipeline:
         try:
             for ids in prompt_ids:
                 handles.append(generator.submit(ids, params))
-            responses = [self._collect(h, ids, stops) for h, ids in zip(handles, prompt_ids, strict=True)]
+            responses = [
+                self._collect(h, ids, stops) for h, ids in zip(handles, prompt_ids, strict=True)
+            ]
         except BaseException:
             for handle in handles:  # do not leave the rest generating for nobody
                 _abort(generator, handle.uid)

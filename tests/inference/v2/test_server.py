@@ -197,7 +197,9 @@ def test_eight_concurrent_requests(client: Any, reference: Reference) -> None:
 
     with ThreadPoolExecutor(8) as pool:
         got = list(pool.map(ask, range(8)))
-    want = [reference.text(reference.prompt_ids(p), n) for p, n in zip(prompts, lengths, strict=True)]
+    want = [
+        reference.text(reference.prompt_ids(p), n) for p, n in zip(prompts, lengths, strict=True)
+    ]
     assert got == want
 
 
@@ -213,12 +215,30 @@ def test_stop_strings(client: Any, reference: Reference) -> None:
     )
     assert out.choices[0].text == want and out.choices[0].finish_reason == "stop"
     assert out.usage.completion_tokens < 12
+    # a stop string spanning two tokens: the first one's text must be held back, not streamed
+    across = f"{words[1]} {words[2]}"
+    want = full[: full.index(across)]
     stream = client.completions.create(
-        model=NAME, prompt=prompt, max_tokens=12, temperature=0, stop=stop, stream=True
+        model=NAME, prompt=prompt, max_tokens=12, temperature=0, stop=across, stream=True
     )
     chunks = [c for c in stream if c.choices]
     assert "".join(c.choices[0].text for c in chunks) == want
     assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+@pytest.mark.timeout(300)
+def test_seeded_sampling_repeats(client: Any) -> None:
+    def ask(seed: int) -> str:
+        out = client.completions.create(
+            model=NAME, prompt="w8 w9", max_tokens=12, temperature=1.5, top_p=0.95, seed=seed,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        assert out.usage.completion_tokens == 12  # ignore_eos reached the engine
+        return str(out.choices[0].text)
+
+    first = ask(7)
+    assert ask(7) == first
+    assert {ask(seed) for seed in (1, 2, 3)} != {first}  # the seed is used
 
 
 def _post(server: str, path: str, body: Any, raw: bytes | None = None) -> httpx.Response:
@@ -264,92 +284,3 @@ def test_malformed_requests_get_openai_errors(server: str, client: Any) -> None:
 @pytest.mark.timeout(120)
 def test_models_lists_the_served_name(client: Any) -> None:
     assert [m.id for m in client.models.list().data] == [NAME]
-
-
-# ---- TEMPORARY (development until AsyncGenerationEngine lands): in-process fake backend ----
-if os.environ.get("SERVE_FAKE"):
-    import asyncio
-    import threading
-    from dataclasses import dataclass
-
-
-    @dataclass
-    class _Ev:
-        uid: int
-        token: int
-        finished: bool
-        finish_reason: str | None = None
-
-    class _Handle:
-        def __init__(self, uid: int, loop: Any) -> None:
-            self.uid, self.loop, self.queue = uid, loop, asyncio.Queue()
-
-        def __aiter__(self) -> Any:
-            return self
-
-        async def __anext__(self) -> Any:
-            ev = await self.queue.get()
-            if ev is None:
-                raise StopAsyncIteration
-            return ev
-
-    class _Fake:
-        def __init__(self, ref: Reference) -> None:
-            self.ref, self.uid, self.lock, self.aborted = ref, 0, threading.Lock(), set()
-
-        def submit(self, ids: list[int], params: Any) -> Any:
-            self.uid += 1
-            handle = _Handle(self.uid, asyncio.get_running_loop())
-
-            def work() -> None:
-                with self.lock:
-                    toks = self.ref.generate_ids(ids, params.max_new_tokens)
-                for i, t in enumerate(toks):
-                    if handle.uid in self.aborted:
-                        break
-                    last = i == len(toks) - 1
-                    reason = ("stop" if t == 3 else "length") if last else None
-                    handle.loop.call_soon_threadsafe(
-                        handle.queue.put_nowait, _Ev(handle.uid, t, last, reason)
-                    )
-                    time.sleep(0.01)
-                handle.loop.call_soon_threadsafe(handle.queue.put_nowait, None)
-
-            threading.Thread(target=work, daemon=True).start()
-            return handle
-
-        def abort(self, uid: int) -> None:
-            self.aborted.add(uid)
-
-    @pytest.fixture(scope="module")
-    def server(model_dir: Path) -> Iterator[str]:  # type: ignore[no-redef]
-        import socket
-
-        import uvicorn
-
-        from shardspeed.inference.v2.serving.app import build_app
-        from shardspeed.inference.v2.serving.generation import ServingContext
-
-        ref = Reference(model_dir)
-
-        def params(**kw: Any) -> Any:
-            from types import SimpleNamespace
-
-            return SimpleNamespace(**kw)
-
-        ctx = ServingContext(_Fake(ref), ref.tokenizer, NAME, MAX_POSITIONS, params)
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        srv = uvicorn.Server(uvicorn.Config(build_app(ctx), log_level="warning"))
-        th = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-        th.start()
-        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        for _ in range(100):
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
-        yield url
-        srv.should_exit = True
-        th.join(10)

@@ -78,7 +78,8 @@ def load_generator(
     from transformers import AutoConfig, AutoTokenizer
 
     from shardspeed.inference.v2 import RaggedInferenceEngineConfig, build_hf_engine
-    from shardspeed.inference.v2.scheduler import AsyncGenerationEngine, SamplingParams
+    from shardspeed.inference.v2.scheduler.async_engine import AsyncGenerationEngine
+    from shardspeed.inference.v2.scheduler.sampling import SamplingParams
 
     if not os.path.isdir(model_path):
         raise ValueError(f"model path {model_path!r} is not a directory: give a local checkpoint")
@@ -135,9 +136,13 @@ def serve(
     except OSError as exc:
         sock.close()
         raise ValueError(f"cannot listen on {host}:{port}: {exc}; pick another --port") from exc
-    loaded = load_generator(
-        model_path, engine_config=engine_config, max_batch_tokens=max_batch_tokens
-    )
+    try:
+        loaded = load_generator(
+            model_path, engine_config=engine_config, max_batch_tokens=max_batch_tokens
+        )
+    except BaseException:
+        sock.close()
+        raise
     name = served_model_name or model_path
     context = ServingContext(
         backend=loaded.generator,
