@@ -67,7 +67,10 @@ class FakeEngine:
         return tokens, self._blocks_for(uid, tokens)
 
     def put(
-        self, batch_uids: Iterable[int], batch_tokens: Iterable[torch.Tensor], do_checks: bool = True
+        self,
+        batch_uids: Iterable[int],
+        batch_tokens: Iterable[torch.Tensor],
+        do_checks: bool = True,
     ) -> torch.Tensor:
         uids, toks = list(batch_uids), [t.tolist() for t in batch_tokens]
         assert len(set(uids)) == len(uids), uids

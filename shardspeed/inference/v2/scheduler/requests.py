@@ -70,5 +70,9 @@ class Request:
 
     def tokens(self, start: int, length: int) -> list[int]:
         """Tokens ``start .. start + length`` of prompt + generated."""
-        seq = self.prompt + self.generated if start + length > len(self.prompt) else self.prompt
-        return seq[start : start + length]
+        # Slices rather than prompt + generated: a decode step must not copy a long history.
+        cut = len(self.prompt)
+        if start >= cut:
+            return self.generated[start - cut : start - cut + length]
+        head = self.prompt[start : start + length]
+        return head + self.generated[: max(0, start + length - cut)]

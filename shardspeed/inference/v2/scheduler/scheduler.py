@@ -42,7 +42,9 @@ class _Engine(Protocol):
         self, batch_uids: Iterable[int], batch_tokens: Iterable[torch.Tensor], do_checks: bool = ...
     ) -> torch.Tensor: ...
 
-    def query(self, uid: int, max_request_tokens: int, max_request_blocks: int) -> tuple[int, int]: ...
+    def query(
+        self, uid: int, max_request_tokens: int, max_request_blocks: int
+    ) -> tuple[int, int]: ...
 
     def flush(self, uid: int) -> None: ...
 
@@ -150,7 +152,10 @@ class RaggedScheduler:
             )
 
     def add_request(
-        self, prompt_ids: Sequence[int] | torch.Tensor, params: SamplingParams, uid: int | None = None
+        self,
+        prompt_ids: Sequence[int] | torch.Tensor,
+        params: SamplingParams,
+        uid: int | None = None,
     ) -> int:
         """Queue a request and return its uid (``uid``, or the next free one)."""
         if isinstance(prompt_ids, torch.Tensor):

@@ -1,0 +1,196 @@
+"""The scheduler over the real ``InferenceEngineV2`` and a tiny fp32 Llama: continuous batching
+with arrivals over time gives Hugging Face ``generate``'s tokens, Dynamic SplitFuse, preemption
+under a tiny cache, and no leaked block over a randomized run."""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import pytest
+import torch
+
+from shardspeed.inference.v2 import build_hf_engine
+from shardspeed.inference.v2.scheduler import RaggedScheduler, SamplingParams
+from tests.inference.v2 import hf_models
+
+pytestmark = pytest.mark.timeout(600)
+
+SAMPLED = {"do_sample": True, "temperature": 0.8, "top_p": 0.9, "top_k": 20}
+
+
+@functools.lru_cache(maxsize=1)
+def _model() -> torch.nn.Module:
+    return hf_models.build("llama", seed=0)
+
+
+def _engine(blocks: int = 256, block_size: int = 16, **state: object):  # noqa: ANN202
+    config = {
+        "state_manager": {
+            "kv_block_size": block_size,
+            "max_context": 512,
+            "memory_config": {"mode": "allocate", "size": blocks},
+            **state,
+        }
+    }
+    return build_hf_engine(_model(), config)
+
+
+def _workload() -> list[tuple[list[int], int]]:
+    """16 (prompt, max_new_tokens): prompts of 3..200 tokens, outputs of 1..64."""
+    rng = random.Random(29)
+    lengths = [3, 200, *(rng.randint(3, 200) for _ in range(14))]
+    outs = [64, 1, *(rng.randint(1, 64) for _ in range(14))]
+    return [
+        (hf_models.tokens(n, seed=i).tolist(), m)
+        for i, (n, m) in enumerate(zip(lengths, outs, strict=True))
+    ]
+
+
+def _run_arriving(
+    sched: RaggedScheduler, work: list[tuple[list[int], SamplingParams]], every: int = 3
+) -> dict[int, list[int]]:
+    """Add request i before step ``every * i`` (arrivals over time); run to the end; outputs in
+    request order."""
+    uids: list[int] = []
+    outputs: dict[int, list[int]] = {}
+    step = widest = splits = 0
+    while len(uids) < len(work) or sched.has_work:
+        while len(uids) < len(work) and step >= every * len(uids):
+            prompt, params = work[len(uids)]
+            uids.append(sched.add_request(prompt, params))
+        for event in sched.step():
+            outputs.setdefault(event.uid, []).append(event.token)
+        widest = max(widest, len(sched.last_step))
+        splits += sum(not c.samples for c in sched.last_step)
+        step += 1
+    # Continuous batching really mixed sequences, and SplitFuse really split prompts.
+    assert widest >= 4 and splits >= 3
+    return {i: outputs[u] for i, u in enumerate(uids)}
+
+
+def _alone(prompt: list[int], params: SamplingParams) -> list[int]:
+    sched = RaggedScheduler(_engine())
+    uid = sched.add_request(prompt, params)
+    return sched.run_to_completion()[uid]
+
+
+def test_arrivals_over_time_greedy_equal_hf_generate() -> None:
+    work = _workload()
+    engine = _engine()
+    sched = RaggedScheduler(engine, token_budget=96)
+    outputs = _run_arriving(sched, [(p, SamplingParams(max_new_tokens=m)) for p, m in work])
+    assert sched.num_steps < sum(m for _, m in work)
+    model = _model()
+    for i, (prompt, new) in enumerate(work):
+        expected = hf_models.greedy(model, torch.tensor(prompt), new)
+        assert outputs[i] == expected, f"request {i} (prompt {len(prompt)}, {new} new)"
+    assert engine.free_blocks == engine.total_blocks and engine.n_tracked_sequences == 0
+
+
+def test_arrivals_over_time_sampled_equal_single_request_runs() -> None:
+    work = [
+        (p, SamplingParams(max_new_tokens=m, seed=1000 + i, **SAMPLED))
+        for i, (p, m) in enumerate(_workload())
+    ]
+    outputs = _run_arriving(RaggedScheduler(_engine(), token_budget=96), work)
+    greedy_differs = 0
+    for i, (prompt, params) in enumerate(work):
+        assert outputs[i] == _alone(prompt, params), f"request {i}"
+        greedy_differs += outputs[i] != hf_models.greedy(
+            _model(), torch.tensor(prompt), params.max_new_tokens
+        )
+    assert greedy_differs >= 4  # sampling really sampled
+
+
+def test_splitfuse_splits_a_prompt_over_steps_with_decodes_riding_along() -> None:
+    engine = _engine()
+    sched = RaggedScheduler(engine, token_budget=32)
+    short = hf_models.tokens(5, seed=50).tolist()
+    long = hf_models.tokens(90, seed=51).tolist()
+    a = sched.add_request(short, SamplingParams(max_new_tokens=8))
+    out = {a: [e.token for e in sched.step()]}
+    b = sched.add_request(long, SamplingParams(max_new_tokens=4))
+    shapes = []
+    while sched.has_work:
+        events = sched.step()
+        shapes.append([(c.uid, c.length, c.samples) for c in sched.last_step])
+        for e in events:
+            out.setdefault(e.uid, []).append(e.token)
+    # 90 prompt tokens under a 32-token budget with a's decode token in each step: 31+31+28.
+    assert shapes[:3] == [
+        [(a, 1, True), (b, 31, False)],
+        [(a, 1, True), (b, 31, False)],
+        [(a, 1, True), (b, 28, True)],
+    ]
+    assert all(n <= 32 for s in shapes for n in [sum(x[1] for x in s)])
+    assert out[a] == hf_models.greedy(_model(), torch.tensor(short), 8)
+    assert out[b] == hf_models.greedy(_model(), torch.tensor(long), 4)
+
+
+def test_preemption_with_six_blocks_of_four() -> None:
+    rng = random.Random(7)
+    work = []
+    for i in range(8):
+        prompt = hf_models.tokens(rng.randint(3, 10), seed=200 + i).tolist()
+        max_new = rng.randint(6, 24 - len(prompt) + 1)
+        extra = SAMPLED if i % 2 else {}
+        work.append((prompt, SamplingParams(max_new_tokens=max_new, seed=i, **extra)))
+    roomy = RaggedScheduler(_engine(blocks=64, block_size=4))
+    ref_uids = [roomy.add_request(p, s) for p, s in work]
+    ref = roomy.run_to_completion()
+    assert roomy.num_preemptions == 0
+
+    engine = _engine(blocks=6, block_size=4)
+    tight = RaggedScheduler(engine, token_budget=16)
+    uids = [tight.add_request(p, s) for p, s in work]
+    got = tight.run_to_completion()
+    assert tight.num_preemptions > 0
+    for u, r in zip(uids, ref_uids, strict=True):
+        assert got[u] == ref[r]
+    assert engine.free_blocks == engine.total_blocks == 6 and engine.n_tracked_sequences == 0
+
+
+def test_thousand_random_requests_with_aborts_return_every_block() -> None:
+    rng = random.Random(1)
+    engine = _engine(blocks=12, block_size=4)
+    sched = RaggedScheduler(engine, token_budget=32, max_sequences=16)
+    live: set[int] = set()
+    added = aborted = 0
+    while added < 1000 or sched.has_work:
+        for _ in range(rng.randint(0, 6)):
+            if added < 1000:
+                # A few shared prefixes so that prefix-cached blocks are exercised too.
+                head = [7, 8, 9, 10] if rng.random() < 0.3 else []
+                prompt = head + [rng.randrange(1, 256) for _ in range(rng.randint(1, 10))]
+                params = SamplingParams(
+                    max_new_tokens=rng.randint(1, 6), do_sample=rng.random() < 0.5
+                )
+                live.add(sched.add_request(prompt, params))
+                added += 1
+        if live and rng.random() < 0.2:
+            uid = rng.choice(sorted(live))
+            sched.abort(uid)
+            live.discard(uid)
+            aborted += 1
+        for e in sched.step():
+            if e.finished:
+                live.discard(e.uid)
+    assert aborted > 50 and not live and sched.num_preemptions > 0
+    assert engine.prefix_hit_tokens > 0
+    assert engine.free_blocks == engine.total_blocks and engine.n_tracked_sequences == 0
+    assert engine.prefix_index_size == 0
+
+
+def test_real_engine_too_big_and_abort() -> None:
+    engine = _engine(blocks=6, block_size=4)
+    sched = RaggedScheduler(engine)
+    with pytest.raises(ValueError, match="7 KV blocks of 4 tokens.*has 6"):
+        sched.add_request(list(range(1, 21)), SamplingParams(max_new_tokens=6))
+    with pytest.raises(ValueError, match="max_context is 512"):
+        RaggedScheduler(_engine()).add_request([1] * 500, SamplingParams(max_new_tokens=20))
+    uid = sched.add_request([1, 2, 3], SamplingParams(max_new_tokens=12))
+    for _ in range(3):
+        sched.step()
+    assert engine.free_blocks < 6 and engine.tracked(uid)
+    assert sched.abort(uid) and not engine.tracked(uid) and engine.free_blocks == 6
