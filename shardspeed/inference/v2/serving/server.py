@@ -78,8 +78,7 @@ def load_generator(
     from transformers import AutoConfig, AutoTokenizer
 
     from shardspeed.inference.v2 import RaggedInferenceEngineConfig, build_hf_engine
-    from shardspeed.inference.v2.scheduler.async_engine import AsyncGenerationEngine
-    from shardspeed.inference.v2.scheduler.sampling import SamplingParams
+    from shardspeed.inference.v2.scheduler import AsyncGenerationEngine, SamplingParams
 
     if not os.path.isdir(model_path):
         raise ValueError(f"model path {model_path!r} is not a directory: give a local checkpoint")
