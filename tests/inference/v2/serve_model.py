@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 WORDS = 60
-MAX_POSITIONS = 96
+MAX_POSITIONS = 512
 # "<s>" starts the conversation; each message is "ROLE: words" and the reply starts after "w0"
 CHAT_TEMPLATE = (
     "<s> {% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"

@@ -5,6 +5,7 @@ errors while the server keeps serving."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -284,3 +285,53 @@ def test_malformed_requests_get_openai_errors(server: str, client: Any) -> None:
 @pytest.mark.timeout(120)
 def test_models_lists_the_served_name(client: Any) -> None:
     assert [m.id for m in client.models.list().data] == [NAME]
+
+
+class _Recording:
+    """The real generation engine, remembering the handles it gave out."""
+
+    def __init__(self, generator: Any) -> None:
+        self.generator = generator
+        self.handles: list[Any] = []
+
+    def submit(self, prompt_ids: list[int], params: Any) -> Any:
+        handle = self.generator.submit(prompt_ids, params)
+        self.handles.append(handle)
+        return handle
+
+    def abort(self, uid: int) -> None:
+        self.generator.abort(uid)
+
+
+@pytest.mark.timeout(300)
+def test_a_client_leaving_aborts_its_request(model_dir: Path) -> None:
+    """What a dropped streaming connection does to the request's generator (closing it) stops
+    the request in the engine and frees its KV blocks, long before max_tokens."""
+    from shardspeed.inference.v2.serving.generation import ServingContext, run_request
+    from shardspeed.inference.v2.serving.server import load_generator
+
+    cache = {"kv_block_size": 8, "memory_config": {"mode": "allocate", "size": 80}}
+    loaded = load_generator(str(model_dir), engine_config={"state_manager": cache})
+    try:
+        backend = _Recording(loaded.generator)
+        context = ServingContext(
+            backend, loaded.tokenizer, NAME, loaded.max_context, loaded.params_factory
+        )
+        params = loaded.params_factory(max_new_tokens=400, ignore_eos=True)
+
+        async def read_one_piece_then_leave() -> None:
+            pieces = run_request(context, [5, 6], params, [])
+            await pieces.__anext__()
+            await pieces.aclose()  # type: ignore[attr-defined]
+
+        asyncio.run(read_one_piece_then_leave())
+        [handle] = backend.handles
+        tokens = handle.result(timeout=60)
+        assert handle.finish_reason == "abort" and len(tokens) < 400
+        engine = loaded.engine
+        deadline = time.monotonic() + 30
+        while engine.free_blocks != engine.total_blocks and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine.free_blocks == engine.total_blocks
+    finally:
+        loaded.shutdown()
