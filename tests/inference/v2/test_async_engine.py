@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import threading
 import time
 
@@ -151,18 +152,29 @@ def test_a_loop_exception_reaches_every_waiting_handle() -> None:
 
 def test_abort_and_synchronous_errors() -> None:
     engine = FakeEngine(hashed_logits(50), total_blocks=8, kv_block_size=4)
+    permits = threading.Semaphore(3)  # the loop may run 3 steps before the abort is queued
+    original_put = engine.put
+
+    def metered_put(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        assert permits.acquire(timeout=WAIT)
+        return original_put(*args, **kwargs)
+
+    engine.put = metered_put  # type: ignore[method-assign]
     with AsyncGenerationEngine(engine) as gen:
         with pytest.raises(ValueError, match="KV blocks"):
             gen.submit(list(range(30)), SamplingParams(max_new_tokens=10))
         handle = gen.submit([1, 2, 3], SamplingParams(max_new_tokens=25))
         stream = handle.tokens(timeout=WAIT)
         first = [next(stream) for _ in range(3)]
+        # The loop now waits for a permit, so uid 7 cannot finish between the two submits.
+        gen.submit([1], SamplingParams(max_new_tokens=1), uid=7)
+        with pytest.raises(ValueError, match="uid 7 is in use"):
+            gen.submit([1], SamplingParams(max_new_tokens=1), uid=7)
         handle.abort()
+        for _ in range(100):
+            permits.release()
         rest = list(stream)
         assert handle.finish_reason == "abort" and len(first + rest) < 25
-        with pytest.raises(ValueError, match="in use"):
-            gen.submit([1], SamplingParams(max_new_tokens=1), uid=7)
-            gen.submit([1], SamplingParams(max_new_tokens=1), uid=7)
         # The loop keeps serving after an abort, and the aborted request's blocks came back.
         assert gen.submit([9, 9], SamplingParams(max_new_tokens=4)).result(timeout=WAIT)
         deadline = time.monotonic() + WAIT
@@ -187,3 +199,37 @@ def test_handle_wait_times_out_instead_of_hanging() -> None:
             handle.result(timeout=0.05)
         gate.set()
         assert len(handle.result(timeout=WAIT)) == 3 and handle.finish_reason == "length"
+
+
+def test_concurrent_submits_and_aborts_end_every_handle_and_free_every_block() -> None:
+    engine = FakeEngine(hashed_logits(50), total_blocks=16, kv_block_size=4)
+    with AsyncGenerationEngine(engine, token_budget=24) as gen:
+        handles = []
+        lock = threading.Lock()
+
+        def client(seed: int) -> None:
+            rng = random.Random(seed)
+            for _ in range(25):
+                prompt = [rng.randrange(50) for _ in range(rng.randint(1, 8))]
+                handle = gen.submit(prompt, SamplingParams(max_new_tokens=rng.randint(1, 10)))
+                with lock:
+                    handles.append(handle)
+                    victim = rng.choice(handles) if rng.random() < 0.3 else None
+                if victim is not None:
+                    victim.abort()
+
+        threads = [threading.Thread(target=client, args=(s,)) for s in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(WAIT)
+        reasons = []
+        for handle in handles:
+            tokens = handle.result(timeout=WAIT)
+            reasons.append(handle.finish_reason)
+            assert handle.finish_reason == "abort" or 1 <= len(tokens)
+        deadline = time.monotonic() + WAIT
+        while gen.scheduler.has_work and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert len(handles) == 100 and "abort" in reasons and "length" in reasons
+    assert engine.free_blocks == engine.total_blocks and not engine.history

@@ -27,16 +27,23 @@ from shardspeed.inference.v2.scheduler.requests import (
 )
 from shardspeed.inference.v2.scheduler.sampling import SamplingParams, make_generator, sample
 
-__all__ = ["RaggedScheduler"]
+__all__ = ["RaggedScheduler", "SchedulableEngine"]
 
 
-class _Engine(Protocol):
+class SchedulableEngine(Protocol):
     """What the scheduler uses of ``InferenceEngineV2``."""
 
-    free_blocks: int
-    total_blocks: int
-    kv_block_size: int
-    max_context: int
+    @property
+    def free_blocks(self) -> int: ...
+
+    @property
+    def total_blocks(self) -> int: ...
+
+    @property
+    def kv_block_size(self) -> int: ...
+
+    @property
+    def max_context(self) -> int: ...
 
     def put(
         self, batch_uids: Iterable[int], batch_tokens: Iterable[torch.Tensor], do_checks: bool = ...
@@ -67,7 +74,7 @@ class RaggedScheduler:
 
     def __init__(
         self,
-        engine: _Engine,
+        engine: SchedulableEngine,
         token_budget: int | None = None,
         eos_token_ids: int | Iterable[int] | None = None,
         max_sequences: int | None = None,
