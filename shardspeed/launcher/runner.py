@@ -356,7 +356,14 @@ def main(args: list[str] | None = None) -> int:
     """Launch from a command line (``sys.argv[1:]`` when ``args`` is None) and return the job's
     exit code. As DeepSpeed's ``runner.main``, a bad command line raises (``ValueError``,
     :class:`~shardspeed.launcher.hostfile.HostfileError`) before anything starts; :func:`cli`
-    reports those as a message instead."""
+    reports those as a message instead. ``shardspeed serve ...`` runs the HTTP server instead
+    of launching a script."""
+    argv = sys.argv[1:] if args is None else args
+    if argv and argv[0] == "serve":
+        # imported here: the launcher itself must not pull in torch or the serving stack
+        from shardspeed.inference.v2.serving.cli import main as serve_main
+
+        return serve_main(argv[1:])
     parsed = parse_args(args)
     if parsed.quiet:
         logger.setLevel("WARNING")

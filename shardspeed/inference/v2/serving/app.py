@@ -1,0 +1,226 @@
+"""The Starlette application: OpenAI's ``/v1/completions`` and ``/v1/chat/completions`` (whole
+responses or server-sent events with ``stream``), ``/v1/models`` and ``/health``.
+
+Every error a client can cause is a 4xx JSON body in OpenAI's shape naming the field at fault;
+the server keeps serving after it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from shardspeed.inference.v2.serving.generation import (
+    Piece,
+    ServingContext,
+    run_request,
+    sampling_kwargs,
+)
+from shardspeed.inference.v2.serving.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_chunk,
+    chat_response,
+    completion_chunk,
+    completion_response,
+    error_body,
+    new_id,
+    usage,
+)
+from shardspeed.utils.logging import logger
+
+__all__ = ["build_app"]
+
+
+def _error_response(exc: APIError) -> JSONResponse:
+    return JSONResponse(error_body(exc.message, exc.kind, exc.param, exc.code), exc.status)
+
+
+def _from_validation(exc: ValidationError) -> APIError:
+    """The first pydantic error as an APIError naming its field (``messages.0.role``)."""
+    first = exc.errors(include_url=False)[0]
+    if first["type"] == "json_invalid":
+        return APIError(f"the request body is not valid JSON: {first['msg']}")
+    loc = [str(part) for part in first["loc"]]
+    where = ".".join(loc) if loc else "request body"
+    message = first["msg"].removeprefix("Value error, ")
+    return APIError(f"{where}: {message}", param=loc[0] if loc else None)
+
+
+async def _parse(request: Request, model: type[BaseModel]) -> Any:
+    body = await request.body()
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        raise _from_validation(exc) from exc
+
+
+def _sse(payload: dict[str, Any] | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload)
+    return f"data: {data}\n\n"
+
+
+async def _collect(pieces: AsyncIterator[Piece]) -> tuple[str, str | None, int]:
+    parts: list[str] = []
+    finish: str | None = None
+    count = 0
+    async for piece in pieces:
+        parts.append(piece.text)
+        finish, count = piece.finish_reason or finish, piece.completion_tokens
+    return "".join(parts), finish, count
+
+
+def _stream(
+    pieces: AsyncIterator[Piece],
+    chunk: Callable[[str | None, str | None, dict[str, int] | None], dict[str, Any]],
+    prompt_len: int,
+    include_usage: bool,
+    first: dict[str, Any] | None = None,
+) -> StreamingResponse:
+    """Server-sent events: one chunk per text piece, the finish reason on the last, a usage
+    chunk when asked, then ``[DONE]``. An engine failure mid-stream becomes an error event."""
+
+    async def events() -> AsyncIterator[str]:
+        count = 0
+        if first is not None:
+            yield _sse(first)
+        try:
+            async for piece in pieces:
+                count = piece.completion_tokens
+                if piece.text or piece.finish_reason:
+                    yield _sse(chunk(piece.text, piece.finish_reason, None))
+        except Exception as exc:  # noqa: BLE001 - reported to the client, then logged
+            logger.exception("serving: generation failed")
+            yield _sse(error_body(str(exc), "server_error", None, None))
+            return
+        if include_usage:
+            yield _sse(chunk(None, None, usage(prompt_len, count)))
+        yield _sse("[DONE]")
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _prompt_ids(context: ServingContext, prompt: str | list[int] | list[str]) -> list[int]:
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        vocab = len(context.tokenizer)
+        bad = [t for t in prompt if not 0 <= int(t) < vocab]
+        if bad:
+            raise APIError(
+                f"prompt: token ids {bad[:4]} are outside the vocabulary", param="prompt"
+            )
+        return [int(t) for t in prompt]
+    text = prompt[0] if isinstance(prompt, list) else prompt
+    ids = list(context.tokenizer(str(text))["input_ids"])
+    if not ids:
+        raise APIError("prompt: the prompt has no tokens", param="prompt")
+    return ids
+
+
+def _chat_ids(context: ServingContext, request: ChatCompletionRequest) -> list[int]:
+    tokenizer = context.tokenizer
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise APIError(
+            "this model's tokenizer has no chat template: use /v1/completions instead",
+            param="messages",
+        )
+    messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # noqa: BLE001 - a template may reject a conversation (roles)
+        raise APIError(
+            f"messages: the chat template refused them: {exc}", param="messages"
+        ) from exc
+    # the template writes the special tokens (BOS) itself
+    return list(tokenizer(str(text), add_special_tokens=False)["input_ids"])
+
+
+def build_app(context: ServingContext) -> Starlette:
+    """The ASGI application serving ``context``'s engine."""
+
+    async def completions(request: Request) -> Response:
+        body: CompletionRequest = await _parse(request, CompletionRequest)
+        context.check_model(body.model)
+        ids = _prompt_ids(context, body.prompt)
+        kwargs = sampling_kwargs(body, body.max_tokens, len(ids), context.max_context, "prompt")
+        pieces = run_request(context, ids, context.params_factory(**kwargs), body.stop_strings())
+        rid = new_id("cmpl")
+        if body.stream:
+            include = bool(body.stream_options and body.stream_options.include_usage)
+
+            def chunk(text: str | None, finish: str | None, counts: Any) -> dict[str, Any]:
+                return completion_chunk(rid, body.model, text, finish, counts)
+
+            return _stream(pieces, chunk, len(ids), include)
+        text, finish, count = await _collect(pieces)
+        return JSONResponse(
+            completion_response(rid, body.model, text, finish, usage(len(ids), count))
+        )
+
+    async def chat(request: Request) -> Response:
+        body: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
+        context.check_model(body.model)
+        ids = _chat_ids(context, body)
+        limit = body.token_limit()
+        kwargs = sampling_kwargs(body, limit, len(ids), context.max_context, "messages")
+        pieces = run_request(context, ids, context.params_factory(**kwargs), body.stop_strings())
+        rid = new_id("chatcmpl")
+        if body.stream:
+            include = bool(body.stream_options and body.stream_options.include_usage)
+
+            def chunk(text: str | None, finish: str | None, counts: Any) -> dict[str, Any]:
+                delta = None if text is None else ({"content": text} if text else {})
+                return chat_chunk(rid, body.model, delta, finish, counts)
+
+            first = chat_chunk(rid, body.model, {"role": "assistant", "content": ""}, None, None)
+            return _stream(pieces, chunk, len(ids), include, first)
+        text, finish, count = await _collect(pieces)
+        return JSONResponse(chat_response(rid, body.model, text, finish, usage(len(ids), count)))
+
+    async def models(request: Request) -> Response:
+        card = {
+            "id": context.model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "shardspeed",
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok", "model": context.model_name})
+
+    async def api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, APIError)
+        return _error_response(exc)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return JSONResponse(error_body(message, kind, None, None), exc.status_code)
+
+    async def server_error(request: Request, exc: Exception) -> Response:
+        logger.error("serving: %s failed: %r", request.url.path, exc)
+        return JSONResponse(error_body(str(exc), "server_error", None, None), 500)
+
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+    ]
+    handlers: dict[Any, Any] = {
+        APIError: api_error,
+        HTTPException: http_error,
+        Exception: server_error,
+    }
+    return Starlette(routes=routes, exception_handlers=handlers)

@@ -1,0 +1,93 @@
+"""``shardspeed serve``: the command line of the OpenAI-compatible server."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+__all__ = ["build_parser", "engine_config_from_args", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The flags of ``shardspeed serve``."""
+    p = argparse.ArgumentParser(
+        prog="shardspeed serve",
+        description="Serve a Hugging Face causal LM checkpoint with an OpenAI-compatible HTTP "
+        "API (/v1/completions, /v1/chat/completions, /v1/models, /health) on inference v2's "
+        "continuous batching.",
+    )
+    p.add_argument("--model", required=True, help="local checkpoint directory (from_pretrained)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on; 0 takes a free one")
+    p.add_argument(
+        "--served-model-name", default=None, help="name clients pass as `model` (default: --model)"
+    )
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (1 only for now)")
+    p.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=None,
+        help="tokens per scheduler step (state_manager.max_ragged_batch_size; default 768)",
+    )
+    p.add_argument(
+        "--max-context",
+        type=int,
+        default=None,
+        help="longest prompt + completion in tokens (default: the model's positions, <= 8192)",
+    )
+    p.add_argument("--kv-block-size", type=int, default=None, help="tokens per KV-cache block")
+    p.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=None,
+        help="KV-cache blocks to allocate (memory_config mode 'allocate'; default: reserve mode)",
+    )
+    p.add_argument("--dtype", default=None, help="model dtype, e.g. float32, bfloat16")
+    p.add_argument(
+        "--no-prefix-caching", action="store_true", help="do not share prompt-prefix KV blocks"
+    )
+    p.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
+    return p
+
+
+def engine_config_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``RaggedInferenceEngineConfig`` dict the flags describe."""
+    if args.tp != 1:
+        raise ValueError(
+            f"--tp {args.tp}: serving with tensor parallelism is not supported yet; use --tp 1 "
+            "(or build_hf_engine with tensor_parallel.tp_size under the launcher)"
+        )
+    state: dict[str, Any] = {}
+    if args.max_context is not None:
+        state["max_context"] = args.max_context
+    if args.max_batch_tokens is not None:
+        state["max_ragged_batch_size"] = args.max_batch_tokens
+    if args.kv_block_size is not None:
+        state["kv_block_size"] = args.kv_block_size
+    if args.kv_blocks is not None:
+        state["memory_config"] = {"mode": "allocate", "size": args.kv_blocks}
+    if args.no_prefix_caching:
+        state["prefix_caching"] = False
+    config: dict[str, Any] = {"tensor_parallel": {"tp_size": args.tp}, "state_manager": state}
+    if args.dtype is not None:
+        config["dtype"] = args.dtype
+    return config
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` and serve until interrupted; returns the exit code."""
+    from shardspeed.inference.v2.serving.server import serve
+
+    args = build_parser().parse_args(argv)
+    serve(
+        args.model,
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        engine_config=engine_config_from_args(args),
+        max_batch_tokens=args.max_batch_tokens,
+        log_level=args.log_level,
+    )
+    return 0

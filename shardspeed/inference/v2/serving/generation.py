@@ -1,0 +1,139 @@
+"""One request's life between the HTTP layer and the generation engine: prompt tokens and
+limits checked, sampling parameters built, tokens streamed back as text pieces.
+
+The engine is anything shaped like :class:`~shardspeed.inference.v2.scheduler.AsyncGenerationEngine`
+(:class:`GenerationBackend`): ``submit(prompt_ids, params)`` returns a handle with a ``uid`` whose
+token events (``token``, ``finished``, ``finish_reason``) are read with ``async for``, and
+``abort(uid)`` stops a request early (a stop string, a client that went away).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from shardspeed.inference.v2.serving.detokenizer import TextAssembler
+from shardspeed.inference.v2.serving.protocol import APIError, GenerationRequest
+
+__all__ = ["GenerationBackend", "Piece", "ServingContext", "run_request", "sampling_kwargs"]
+
+
+class GenerationBackend(Protocol):
+    """What the server needs of the generation engine."""
+
+    def submit(self, prompt_ids: list[int], params: Any) -> Any: ...
+
+    def abort(self, uid: int) -> None: ...
+
+
+@dataclass
+class ServingContext:
+    """Everything a request handler needs: the engine, the tokenizer, the served names, the
+    context length and the ``SamplingParams`` class the engine takes."""
+
+    backend: GenerationBackend
+    tokenizer: Any
+    model_name: str
+    max_context: int
+    params_factory: Callable[..., Any]
+    aliases: frozenset[str] = field(default_factory=frozenset)
+
+    def check_model(self, name: str) -> None:
+        """404 unless ``name`` is the served model's name (or the path it was loaded from)."""
+        if name != self.model_name and name not in self.aliases:
+            raise APIError(
+                f"model {name!r} does not exist: this server serves {self.model_name!r}",
+                param="model",
+                status=404,
+                code="model_not_found",
+            )
+
+
+@dataclass
+class Piece:
+    """A piece of generated text; ``finish_reason`` is set on the last one."""
+
+    text: str
+    finish_reason: str | None
+    completion_tokens: int
+
+
+def sampling_kwargs(
+    request: GenerationRequest, limit: int | None, prompt_len: int, max_context: int, field: str
+) -> dict[str, Any]:
+    """``SamplingParams`` keyword arguments for ``request``; ``limit`` is its ``max_tokens``
+    (None: the rest of the context). ``field`` names the prompt's field in errors."""
+    room = max_context - prompt_len
+    if room < 1:
+        raise APIError(
+            f"{field} is {prompt_len} tokens; the model's context is {max_context} tokens, "
+            "which leaves no room to generate: shorten it",
+            param=field,
+        )
+    if limit is None:
+        limit = room
+    elif limit > room:
+        name = "max_tokens"
+        raise APIError(
+            f"{name}={limit} plus the prompt's {prompt_len} tokens exceeds the model's context "
+            f"of {max_context} tokens: ask for at most {room}",
+            param=name,
+        )
+    greedy = request.temperature == 0.0
+    return {
+        "max_new_tokens": limit,
+        "min_new_tokens": min(request.min_tokens, limit),
+        "temperature": 1.0 if greedy else request.temperature,
+        "top_p": request.top_p,
+        "top_k": request.top_k,
+        "do_sample": not greedy,
+        "seed": request.seed,
+        "ignore_eos": request.ignore_eos,
+    }
+
+
+def _abort(backend: GenerationBackend, uid: int) -> None:
+    try:
+        backend.abort(uid)
+    except (KeyError, ValueError):
+        pass  # the request finished between its last event and the abort
+
+
+def run_request(
+    context: ServingContext, prompt_ids: list[int], params: Any, stops: list[str]
+) -> AsyncIterator[Piece]:
+    """Submit one request now (so a refusal is an error before any response starts) and
+    return the async iterator of its text pieces."""
+    try:
+        handle = context.backend.submit(prompt_ids, params)
+    except ValueError as exc:  # the scheduler refuses a request that can never fit
+        raise APIError(str(exc), param="max_tokens") from exc
+    return _pieces(context, handle, stops)
+
+
+async def _pieces(context: ServingContext, handle: Any, stops: list[str]) -> AsyncIterator[Piece]:
+    """Yield one request's text as it is generated. Leaving early (the consumer closes this
+    generator: client gone) aborts the request in the engine."""
+    text = TextAssembler(context.tokenizer, stops)
+    count = 0
+    done = False
+    try:
+        async for event in handle:
+            count += 1
+            last = bool(event.finished)
+            out, stopped = text.add(int(event.token), last)
+            if stopped:
+                yield Piece(out, "stop", count)
+                return  # ``done`` stays False: the engine is still generating it
+            if last:
+                done = True
+                yield Piece(out, event.finish_reason or "stop", count)
+                return
+            if out:
+                yield Piece(out, None, count)
+        done = True  # the handle ended without a finished event (aborted elsewhere)
+        yield Piece("", "abort", count)
+    finally:
+        if not done:
+            _abort(context.backend, handle.uid)

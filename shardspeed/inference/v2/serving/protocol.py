@@ -1,0 +1,289 @@
+"""OpenAI's HTTP protocol for ``/v1/completions`` and ``/v1/chat/completions``: request models
+(pydantic, strict types) and the response/chunk/error bodies the official client parses.
+
+Requests keep OpenAI's field names and defaults (``max_tokens`` 16 for completions, unbounded
+for chat; ``temperature`` 1.0, i.e. sampling unless 0). Fields OpenAI defines that this server
+does not implement are refused by name when set to a non-default value, so a client never gets
+silently different behaviour. ``top_k``, ``min_tokens`` and ``ignore_eos`` are extensions (as
+vLLM's), passed through the client's ``extra_body``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+__all__ = [
+    "APIError",
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "CompletionRequest",
+    "GenerationRequest",
+    "StreamOptions",
+    "chat_chunk",
+    "chat_response",
+    "completion_chunk",
+    "completion_response",
+    "error_body",
+    "new_id",
+    "usage",
+]
+
+
+class APIError(Exception):
+    """A request error reported to the client as OpenAI's error object with ``status``."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        status: int = 400,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+        self.kind = kind
+        self.code = code
+
+
+def error_body(message: str, kind: str, param: str | None, code: str | None) -> dict[str, Any]:
+    """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class _Strict(BaseModel):
+    # strict: a JSON string where a number belongs is an error, not a coercion; unknown fields
+    # are ignored as OpenAI's own API does for fields a model does not use
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    """``stream_options``: ``include_usage`` adds a last chunk carrying the usage counts."""
+
+    include_usage: bool = False
+
+
+class GenerationRequest(_Strict):
+    """The sampling fields both endpoints share."""
+
+    model: str
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # extensions (vLLM's names)
+    top_k: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError(f"n={value} is not supported: this server returns one choice (n=1)")
+        return value
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, value: float) -> float:
+        if value != 0.0:
+            raise ValueError("penalties are not supported: leave them at 0")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value:
+            raise ValueError("logit_bias is not supported: leave it unset")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else (value or [])
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("stop takes at most 4 non-empty strings")
+        return value
+
+    def stop_strings(self) -> list[str]:
+        """``stop`` as a list."""
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class CompletionRequest(GenerationRequest):
+    """``POST /v1/completions``: one prompt (text, or token ids)."""
+
+    prompt: str | list[int] | list[str]
+    max_tokens: int | None = Field(16, ge=1)
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, value: str | list[int] | list[str]) -> str | list[int] | list[str]:
+        if isinstance(value, list) and not value:
+            raise ValueError("prompt is empty")
+        if isinstance(value, list) and isinstance(value[0], str) and len(value) != 1:
+            raise ValueError("one prompt per request: send a string, not a list of prompts")
+        return value
+
+    @field_validator("echo", "logprobs", "suffix")
+    @classmethod
+    def _unset(cls, value: Any, info: ValidationInfo) -> Any:
+        if value:
+            raise ValueError(f"{info.field_name} is not supported: leave it unset")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, value: int | None) -> int | None:
+        if value not in (None, 1):
+            raise ValueError(f"best_of={value} is not supported: leave it unset")
+        return value
+
+
+class ContentPart(_Strict):
+    """One part of a message's content; only text parts are accepted."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    """One chat message; ``content`` is a string or a list of text parts."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """The message's content as one string."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(GenerationRequest):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    tools: list[dict[str, Any]] | None = None
+
+    @field_validator("logprobs", "tools")
+    @classmethod
+    def _unset(cls, value: Any, info: ValidationInfo) -> Any:
+        if value:
+            raise ValueError(f"{info.field_name} is not supported: leave it unset")
+        return value
+
+    def token_limit(self) -> int | None:
+        """``max_completion_tokens`` (the newer name) or ``max_tokens``."""
+        return self.max_completion_tokens if self.max_completion_tokens else self.max_tokens
+
+
+def new_id(prefix: str) -> str:
+    """A response id in OpenAI's style (``cmpl-...``, ``chatcmpl-...``)."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """OpenAI's ``usage`` object."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def completion_response(
+    rid: str, model: str, text: str, finish: str | None, counts: dict[str, int]
+) -> dict[str, Any]:
+    """A whole ``text_completion`` body."""
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": counts,
+    }
+
+
+def completion_chunk(
+    rid: str, model: str, text: str | None, finish: str | None, counts: dict[str, int] | None
+) -> dict[str, Any]:
+    """One streamed ``text_completion`` chunk; ``text=None`` is the usage-only last chunk."""
+    choices = (
+        []
+        if text is None
+        else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
+    )
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": counts,
+    }
+
+
+def chat_response(
+    rid: str, model: str, text: str, finish: str | None, counts: dict[str, int]
+) -> dict[str, Any]:
+    """A whole ``chat.completion`` body."""
+    message = {"role": "assistant", "content": text}
+    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": counts,
+    }
+
+
+def chat_chunk(
+    rid: str,
+    model: str,
+    delta: dict[str, str] | None,
+    finish: str | None,
+    counts: dict[str, int] | None,
+) -> dict[str, Any]:
+    """One streamed ``chat.completion.chunk``; ``delta=None`` is the usage-only last chunk."""
+    choices = (
+        []
+        if delta is None
+        else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+    )
+    return {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": counts,
+    }

@@ -1,0 +1,85 @@
+"""A tiny Llama checkpoint with a word-level tokenizer and a chat template, saved with
+``save_pretrained`` (no downloads), plus Hugging Face ``generate`` as the reference the serving
+tests compare against."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+WORDS = 60
+MAX_POSITIONS = 512
+# "<s>" starts the conversation; each message is "ROLE: words" and the reply starts after "w0"
+CHAT_TEMPLATE = (
+    "<s> {% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}w0{% endif %}"
+)
+
+
+def save_tiny_llama(folder: Path) -> Path:
+    """A 2-layer Llama (vocab 64+3 role words) and its tokenizer for ``w0 .. w59``, saved in
+    ``folder``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<unk>", "<s>", "</s>"]
+    words = [f"w{i}" for i in range(WORDS)] + ["system", "user", "assistant"]
+    vocab = {token: i for i, token in enumerate(specials + words)}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", unk_token="<unk>", bos_token="<s>",
+        eos_token="</s>",
+    )  # fmt: skip
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(str(folder))
+    config = LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=len(vocab), max_position_embeddings=MAX_POSITIONS,
+        pad_token_id=0, bos_token_id=2, eos_token_id=3,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    # larger weights than the init's 0.02 so greedy outputs vary from token to token
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.3)
+    model.save_pretrained(str(folder))
+    return folder
+
+
+class Reference:
+    """Hugging Face ``generate`` (greedy, fp32) on the saved checkpoint."""
+
+    def __init__(self, folder: Path) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        self.model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+        self.model.eval()
+
+    def prompt_ids(self, prompt: str) -> list[int]:
+        return list(self.tokenizer(prompt)["input_ids"])
+
+    def chat_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def generate_ids(self, ids: list[int], max_new_tokens: int) -> list[int]:
+        with torch.no_grad():
+            out = self.model.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+            )
+        return [int(t) for t in out[0, len(ids) :]]
+
+    def text(self, ids: list[int], max_new_tokens: int) -> str:
+        new = self.generate_ids(ids, max_new_tokens)
+        return str(self.tokenizer.decode(new, skip_special_tokens=True))

@@ -1,0 +1,72 @@
+"""``pipeline`` (DeepSpeed-MII's shape) over inference v2: greedy texts equal Hugging Face
+``generate`` decoded, prompts batched together, stop strings, the MII response fields."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from shardspeed.inference.v2.pipeline import Pipeline, Response, pipeline
+from tests.inference.v2.serve_model import Reference, save_tiny_llama
+
+PROMPTS = ["w1 w2", "w5 w9 w13 w7", "w40", "w3 w3 w3 w3 w3 w3", "w11 w12 w13 w14 w15 w16 w17"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path) -> Reference:
+    return Reference(model_dir)
+
+
+@pytest.fixture(scope="module")
+def pipe(model_dir: Path) -> Iterator[Pipeline]:
+    config = {
+        "state_manager": {"kv_block_size": 8, "memory_config": {"mode": "allocate", "size": 64}}
+    }
+    p = pipeline(str(model_dir), max_batch_tokens=16, **config)
+    try:
+        yield p
+    finally:
+        p.destroy()
+
+
+@pytest.mark.timeout(300)
+def test_greedy_texts_equal_hf_generate(pipe: Pipeline, reference: Reference) -> None:
+    responses = pipe(PROMPTS, max_new_tokens=8)
+    assert [type(r) for r in responses] == [Response] * len(PROMPTS)
+    for prompt, response in zip(PROMPTS, responses, strict=True):
+        ids = reference.prompt_ids(prompt)
+        generated = reference.generate_ids(ids, 8)
+        assert response.generated_text == reference.text(ids, 8)
+        assert str(response) == response.generated_text
+        assert response.prompt_length == len(ids)
+        assert response.generated_length == len(generated)
+        assert response.finish_reason == ("stop" if generated[-1] == 3 else "length")
+
+
+@pytest.mark.timeout(300)
+def test_single_prompt_full_text_and_stop(pipe: Pipeline, reference: Reference) -> None:
+    prompt = PROMPTS[2]
+    full = reference.text(reference.prompt_ids(prompt), 10)
+    [whole] = pipe(prompt, max_new_tokens=10, return_full_text=True)
+    assert whole.generated_text == prompt + full
+    stop = full.split(" ")[2]
+    [cut] = pipe(prompt, max_new_tokens=10, stop=stop)
+    assert cut.generated_text == full[: full.index(stop)]
+    assert cut.finish_reason == "stop" and cut.generated_length < 10
+
+
+@pytest.mark.timeout(300)
+def test_bad_arguments(model_dir: Path, pipe: Pipeline) -> None:
+    with pytest.raises(ValueError, match="max_batch_token"):
+        pipeline(str(model_dir), max_batch_token=8)
+    with pytest.raises(TypeError, match="prompts"):
+        pipe([1, 2], max_new_tokens=2)  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="max_context"):
+        pipeline(str(model_dir), state_manager={"max_context": 10_000})
