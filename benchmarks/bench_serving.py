@@ -199,9 +199,8 @@ def _fresh(requests: list[Request]) -> list[Request]:
 
 
 def _v2_mode(base: Any, args: argparse.Namespace) -> tuple[Any, Callable[[int], Any]]:
-    from shardspeed.inference.v2.scheduler import RaggedScheduler, SamplingParams
-
     from shardspeed.inference.v2 import RaggedInferenceEngineConfig, build_hf_engine
+    from shardspeed.inference.v2.scheduler import RaggedScheduler, SamplingParams
 
     context = args.prompt_max + args.out_max + 8
     config = RaggedInferenceEngineConfig(
