@@ -55,7 +55,10 @@ def _windowed(meta: RaggedBatchMetadata, window: int) -> RaggedBatchMetadata:
     # padding rows (and only they) may have lost their one visible key: give it back
     mask[..., 0] |= ~mask.any(dim=-1)
     parts = tuple((index, _windowed(part, window)) for index, part in meta.parts)
-    return dataclasses.replace(meta, mask=mask, parts=parts)
+    # the plain causal (fresh) path hides nothing behind the query: only while the window
+    # reaches back past every query's first key
+    fresh = meta.fresh and window >= meta.query_index.shape[1]
+    return dataclasses.replace(meta, mask=mask, parts=parts, fresh=fresh)
 
 
 class RaggedCausalLM(nn.Module):

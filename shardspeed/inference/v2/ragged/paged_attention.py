@@ -11,7 +11,8 @@ sequence's own offset and hides the padding.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,9 @@ class RaggedBatchMetadata:
     ``parts``: when the batch mixes single-token (decode) sequences with longer runs, each
     group's flat token indices and its own metadata; attention then runs per group, so a decode
     token is not padded to the longest prompt chunk's number of query rows.
+    ``decode``: every sequence brings one new token (attention takes one query row each).
+    ``fresh``: no sequence has cached tokens and the mask is plain causal, so each sequence's
+    keys/values are exactly its new tokens' (no gather from the cache).
     """
 
     positions: torch.Tensor
@@ -44,6 +48,13 @@ class RaggedBatchMetadata:
     mask: torch.Tensor
     block_size: int
     parts: tuple[tuple[torch.Tensor, RaggedBatchMetadata], ...] = ()
+    decode: bool = False
+    fresh: bool = False
+    # per-step memo shared by every layer (gather indices by kv head count); not an init field,
+    # so dataclasses.replace (e.g. a windowed copy) starts a fresh one
+    memo: dict[Any, torch.Tensor] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     @property
     def num_tokens(self) -> int:
@@ -138,7 +149,24 @@ class RaggedBatchMetadata:
             mask=mask[:, None].to(device),
             block_size=block_size,
             parts=tuple(parts),
+            decode=max_new == 1,
+            fresh=not any(seen_tokens),
         )
+
+    def gather_index(self, kv_heads: int) -> torch.Tensor:
+        """Row indices into a cache viewed as (slots * kv_heads, head_dim) that gather every
+        sequence's padded context as (sequences, kv_heads, max_context, head_dim) in one
+        ``index_select`` (built once per batch and kv head count, shared by all layers)."""
+        index = self.memo.get(kv_heads)
+        if index is None:
+            seqs, max_blocks = self.block_tables.shape
+            device = self.block_tables.device
+            offsets = torch.arange(self.block_size, device=device)
+            slots = (self.block_tables[:, :, None] * self.block_size + offsets).reshape(seqs, -1)
+            heads = torch.arange(kv_heads, device=device)
+            index = (slots[:, None, :] * kv_heads + heads[None, :, None]).reshape(-1)
+            self.memo[kv_heads] = index
+        return index
 
 
 def paged_attention(
@@ -170,17 +198,37 @@ def paged_attention(
         return out
     seqs, max_new = meta.query_index.shape
     group = heads // kv_heads
+    if meta.fresh:
+        # Nothing cached before these tokens: each sequence attends causally to its own new
+        # keys/values (padding rows only see real keys or padding and are discarded).
+        q = query[meta.query_index].transpose(1, 2)  # (seqs, heads, max_new, head_dim)
+        index = meta.slots[meta.query_index]  # (seqs, max_new) cache slots of the new tokens
+        k = key_cache.view(-1, kv_heads, head_dim)[index].transpose(1, 2)
+        v = value_cache.view(-1, kv_heads, head_dim)[index].transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q, k.to(q.dtype), v.to(q.dtype), is_causal=True, scale=scale, enable_gqa=group > 1
+        )
+        return out.transpose(1, 2)[meta.token_seq, meta.token_offset]
+    # one index_select of head_dim-wide rows lands every sequence's keys/values already laid out
+    # as SDPA wants them (sequences, kv_heads, context, head_dim): no block gather + transpose
+    index = meta.gather_index(kv_heads)
+    ctx = meta.block_tables.shape[1] * meta.block_size
+    k = key_cache.view(-1, head_dim).index_select(0, index).view(seqs, kv_heads, ctx, head_dim)
+    v = value_cache.view(-1, head_dim).index_select(0, index).view(seqs, kv_heads, ctx, head_dim)
+    k, v = k.to(query.dtype), v.to(query.dtype)
+    if meta.decode:
+        # one query per sequence (flat token s is sequence s): the `group` query heads of a kv
+        # head are its query rows, and the (seqs, 1, 1, ctx) mask broadcasts over them
+        q = query.view(seqs, kv_heads, group, head_dim)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.mask, scale=scale)
+        return out.reshape(seqs, heads, head_dim)
     q = query[meta.query_index].transpose(1, 2)  # (seqs, heads, max_new, head_dim)
-    k = key_cache[meta.block_tables].flatten(1, 2).transpose(1, 2)  # (seqs, kv_heads, ctx, d)
-    v = value_cache[meta.block_tables].flatten(1, 2).transpose(1, 2)
     mask = meta.mask
     if group > 1:
         # GQA without copying keys/values per query head: the `group` query heads of one kv
         # head become extra query rows of it (row g * max_new + i), the mask repeated to match
         q = q.reshape(seqs, kv_heads, group * max_new, head_dim)
         mask = mask.repeat(1, 1, group, 1)
-    out = F.scaled_dot_product_attention(
-        q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale
-    )
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     out = out.reshape(seqs, heads, max_new, head_dim)
     return out.transpose(1, 2)[meta.token_seq, meta.token_offset]
