@@ -48,17 +48,19 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 def _windowed(meta: RaggedBatchMetadata, window: int) -> RaggedBatchMetadata:
     """``meta`` with its mask also hiding keys ``window`` or more positions behind the query
     (Hugging Face's sliding window: key ``k`` is seen from query ``q`` when ``k > q - window``)."""
+    if meta.parts:  # each part masks its own queries
+        parts = tuple((index, _windowed(part, window)) for index, part in meta.parts)
+        return dataclasses.replace(meta, parts=parts)
     query_pos = meta.positions[meta.query_index]  # (seqs, max_new); padding rows: junk
     key_pos = torch.arange(meta.mask.shape[-1], device=meta.mask.device)
     near = key_pos[None, None, :] > query_pos[:, :, None] - window
     mask = meta.mask & near[:, None]
     # padding rows (and only they) may have lost their one visible key: give it back
     mask[..., 0] |= ~mask.any(dim=-1)
-    parts = tuple((index, _windowed(part, window)) for index, part in meta.parts)
     # the plain causal (fresh) path hides nothing behind the query: only while the window
     # reaches back past every query's first key
     fresh = meta.fresh and window >= meta.query_index.shape[1]
-    return dataclasses.replace(meta, mask=mask, parts=parts, fresh=fresh)
+    return dataclasses.replace(meta, mask=mask, fresh=fresh)
 
 
 class RaggedCausalLM(nn.Module):

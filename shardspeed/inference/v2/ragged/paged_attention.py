@@ -30,10 +30,13 @@ class RaggedBatchMetadata:
     (padding rows point at token 0 and are discarded).
     ``token_seq``/``token_offset`` (tokens,): where each flat token sits in the padded batch.
     ``block_tables`` (sequences, max_blocks): block ids, padded with block 0 (masked).
-    ``mask`` (sequences, 1, max_new, max_blocks * block_size): True where a query may attend.
+    ``mask`` (sequences, 1, max_new, max_blocks * block_size): True where a query may attend
+    (no query rows when ``parts`` split the batch: each part has its own).
     ``parts``: when the batch mixes single-token (decode) sequences with longer runs, each
     group's flat token indices and its own metadata; attention then runs per group, so a decode
-    token is not padded to the longest prompt chunk's number of query rows.
+    token is not padded to the longest prompt chunk's number of query rows. Single-token
+    sequences whose contexts differ much in length are split further by context length, so a
+    short context is not gathered (and attended) padded to the longest one.
     ``decode``: every sequence brings one new token (attention takes one query row each).
     ``fresh``: no sequence has cached tokens and the mask is plain causal, so each sequence's
     keys/values are exactly its new tokens' (no gather from the cache).
@@ -74,7 +77,8 @@ class RaggedBatchMetadata:
         """Metadata of a batch whose sequence ``s`` has ``seen_tokens[s]`` tokens cached and
         ``new_tokens[s]`` (>= 1) new ones in the flat token run (sequence 0's first), its
         tokens held by ``block_tables[s]``; with ``split``, a batch that mixes single-token and
-        longer runs also gets per-group ``parts``."""
+        longer runs (or whose single-token contexts differ much in length) also gets per-group
+        ``parts``."""
         if not len(seen_tokens) == len(new_tokens) == len(block_tables) >= 1:
             raise ValueError(
                 "seen_tokens, new_tokens and block_tables need one entry per sequence and at "
@@ -115,29 +119,32 @@ class RaggedBatchMetadata:
 
         rows = torch.arange(max_new)
         query_index = torch.where(rows < new_t[:, None], starts[:, None] + rows, 0)
-        # Query i of sequence s sits at position seen[s] + i and sees keys 0 .. seen[s] + i.
-        last_key = seen_t[:, None] + rows  # (n_seq, max_new)
-        mask = torch.arange(max_ctx)[None, None, :] <= last_key[:, :, None]
-        # Padding rows see key 0 only: an all-False row would make SDPA return NaN.
-        pad_rows = rows[None, :] >= new_t[:, None]
-        mask = mask & ~pad_rows[:, :, None]
-        mask[:, :, 0] |= pad_rows
 
+        groups = _groups(new_tokens, block_tables, block_size) if split else []
         parts: list[tuple[torch.Tensor, RaggedBatchMetadata]] = []
-        single = [n == 1 for n in new_tokens]
-        if split and any(single) and not all(single):
-            for want in (True, False):
-                group = [s for s in range(n_seq) if single[s] == want]
-                index = torch.cat([starts[s] + torch.arange(new_tokens[s]) for s in group])
-                sub = cls.build(
-                    [seen_tokens[s] for s in group],
-                    [new_tokens[s] for s in group],
-                    [block_tables[s] for s in group],
-                    block_size,
-                    device,
-                    split=False,
-                )
-                parts.append((index.to(device), sub))
+        for group in groups:
+            index = torch.cat([starts[s] + torch.arange(new_tokens[s]) for s in group])
+            sub = cls.build(
+                [seen_tokens[s] for s in group],
+                [new_tokens[s] for s in group],
+                [block_tables[s] for s in group],
+                block_size,
+                device,
+                split=False,
+            )
+            parts.append((index.to(device), sub))
+
+        if parts:
+            # every part masks its own queries: the whole batch's mask would go unused
+            mask = torch.ones(n_seq, 0, max_ctx, dtype=torch.bool)
+        else:
+            # Query i of sequence s sits at position seen[s] + i and sees keys 0 .. seen[s] + i.
+            last_key = seen_t[:, None] + rows  # (n_seq, max_new)
+            mask = torch.arange(max_ctx)[None, None, :] <= last_key[:, :, None]
+            # Padding rows see key 0 only: an all-False row would make SDPA return NaN.
+            pad_rows = rows[None, :] >= new_t[:, None]
+            mask = mask & ~pad_rows[:, :, None]
+            mask[:, :, 0] |= pad_rows
 
         return cls(
             positions=positions.to(device),
@@ -167,6 +174,41 @@ class RaggedBatchMetadata:
             index = (slots[:, None, :] * kv_heads + heads[None, :, None]).reshape(-1)
             self.memo[kv_heads] = index
         return index
+
+
+# Smallest saving, in padded context tokens, worth another attention call (gather + SDPA) per
+# layer: below it the call's fixed cost outweighs the copy and compute saved (measured on CPU).
+_MIN_SPLIT_SAVING = 1024
+_MAX_DECODE_BUCKETS = 4
+
+
+def _groups(
+    new_tokens: Sequence[int], block_tables: Sequence[Sequence[int]], block_size: int
+) -> list[list[int]]:
+    """The sequence groups attention runs separately (none: one call for the batch): the
+    single-token sequences, in buckets of similar context length, then the longer runs."""
+    single = [s for s, n in enumerate(new_tokens) if n == 1]
+    longer = [s for s, n in enumerate(new_tokens) if n != 1]
+    buckets = [single] if single else []
+    if single:
+        # split by context length while a split saves enough padded keys: a sorted run of
+        # block counts split at i pads i sequences to its i-th count, the rest to its maximum
+        buckets = [sorted(single, key=lambda s: len(block_tables[s]))]
+        while len(buckets) < _MAX_DECODE_BUCKETS:
+            best: tuple[int, int, int] | None = None  # (saving, bucket, split point)
+            for b, bucket in enumerate(buckets):
+                blocks = [len(block_tables[s]) for s in bucket]
+                whole = len(blocks) * blocks[-1]
+                for i in range(1, len(blocks)):
+                    saving = whole - i * blocks[i - 1] - (len(blocks) - i) * blocks[-1]
+                    if best is None or saving > best[0]:
+                        best = (saving, b, i)
+            if best is None or best[0] * block_size < _MIN_SPLIT_SAVING:
+                break
+            _, b, i = best
+            buckets[b : b + 1] = [buckets[b][:i], buckets[b][i:]]
+    groups = buckets + ([longer] if longer else [])
+    return groups if len(groups) > 1 else []
 
 
 def paged_attention(
