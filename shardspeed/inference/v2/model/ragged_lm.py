@@ -33,6 +33,9 @@ _LAYOUTS = {
     "gpt2": "gpt2",
 }
 SUPPORTED_FAMILIES: tuple[str, ...] = tuple(_LAYOUTS)
+# rotary variants whose cos/sin at a position never change (no length-dependent rescaling):
+# a table built once and indexed by position gives the very values of a per-step call
+_STATIC_ROPE = frozenset({"default", "linear", "llama3"})
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -112,6 +115,7 @@ class RaggedCausalLM(nn.Module):
         # learned position tables end; rotary positions do not
         self.max_positions: int | None = int(config.n_positions) if self.layout == "gpt2" else None
         self._windows = [self._sliding_window(layer) for layer in self.layers]
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -175,9 +179,7 @@ class RaggedCausalLM(nn.Module):
         cache: BlockedKVCache,
     ) -> torch.Tensor:
         hidden = self.base.embed_tokens(input_ids)
-        # the model's own rotary module (its scaling variant included), batch of one row
-        cos, sin = self.base.rotary_emb(hidden[None], meta.positions[None])
-        cos, sin = cos[0], sin[0]
+        cos, sin = self._rotary(hidden, meta.positions)
         tokens = hidden.shape[0]
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
@@ -197,6 +199,28 @@ class RaggedCausalLM(nn.Module):
             # MoE blocks (Mixtral) take (batch, seq, hidden): the flat run is one row
             hidden = hidden + layer.mlp(x[None])[0]
         return hidden
+
+    def _rotary(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """cos/sin (tokens, head_dim) of the model's own rotary module (its scaling variant
+        included) at ``positions``: for a static variant, rows of a table made once (grown by
+        doubling) rather than a module call every step."""
+        rope = self.base.rotary_emb
+        if getattr(rope, "rope_type", "default") not in _STATIC_ROPE:
+            cos, sin = rope(hidden[None], positions[None])
+            return cos[0], sin[0]
+        need = int(positions.max()) + 1
+        table = self._rope_table
+        if (
+            table is None
+            or table[0].shape[0] < need
+            or table[0].dtype != hidden.dtype
+            or table[0].device != hidden.device
+        ):
+            size = max(need, 2 * table[0].shape[0] if table is not None else 256)
+            every = torch.arange(size, device=hidden.device)
+            cos, sin = rope(hidden[None], every[None])
+            table = self._rope_table = (cos[0], sin[0])
+        return table[0][positions], table[1][positions]
 
     def _gpt2_layers(
         self,
