@@ -120,7 +120,7 @@ class RaggedBatchMetadata:
         rows = torch.arange(max_new)
         query_index = torch.where(rows < new_t[:, None], starts[:, None] + rows, 0)
 
-        groups = _groups(new_tokens, block_tables, block_size) if split else []
+        groups = _groups(seen_tokens, new_tokens, block_tables, block_size) if split else []
         parts: list[tuple[torch.Tensor, RaggedBatchMetadata]] = []
         for group in groups:
             index = torch.cat([starts[s] + torch.arange(new_tokens[s]) for s in group])
@@ -180,15 +180,29 @@ class RaggedBatchMetadata:
 # layer: below it the call's fixed cost outweighs the copy and compute saved (measured on CPU).
 _MIN_SPLIT_SAVING = 1024
 _MAX_DECODE_BUCKETS = 4
+# Fewest new tokens of fresh prompts (nothing cached) worth their own causal attention call,
+# next to prompt chunks that continue a cached prefix.
+_MIN_FRESH_TOKENS = 128
 
 
 def _groups(
-    new_tokens: Sequence[int], block_tables: Sequence[Sequence[int]], block_size: int
+    seen_tokens: Sequence[int],
+    new_tokens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    block_size: int,
 ) -> list[list[int]]:
     """The sequence groups attention runs separately (none: one call for the batch): the
-    single-token sequences, in buckets of similar context length, then the longer runs."""
+    single-token sequences, in buckets of similar context length, then the longer runs (fresh
+    prompts apart from continued ones when they are many tokens)."""
     single = [s for s, n in enumerate(new_tokens) if n == 1]
     longer = [s for s, n in enumerate(new_tokens) if n != 1]
+    fresh = [s for s in longer if seen_tokens[s] == 0]
+    longers = [longer] if longer else []
+    if fresh and len(fresh) < len(longer) and sum(new_tokens[s] for s in fresh) >= (
+        _MIN_FRESH_TOKENS
+    ):
+        # fresh prompts then attend causally to their own keys: no gather, no padded mask
+        longers = [fresh, [s for s in longer if seen_tokens[s] != 0]]
     buckets = [single] if single else []
     if single:
         # split by context length while a split saves enough padded keys: a sorted run of
@@ -207,7 +221,7 @@ def _groups(
                 break
             _, b, i = best
             buckets[b : b + 1] = [buckets[b][:i], buckets[b][i:]]
-    groups = buckets + ([longer] if longer else [])
+    groups = buckets + longers
     return groups if len(groups) > 1 else []
 
 
@@ -262,7 +276,17 @@ def paged_attention(
         # one query per sequence (flat token s is sequence s): the `group` query heads of a kv
         # head are its query rows, and the (seqs, 1, 1, ctx) mask broadcasts over them
         q = query.view(seqs, kv_heads, group, head_dim)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.mask, scale=scale)
+        if q.dtype != torch.float32:  # SDPA accumulates low precision in float32
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.mask, scale=scale)
+            return out.reshape(seqs, heads, head_dim)
+        # float32 with a handful of query rows: two batched matmuls and a softmax beat the
+        # CPU flash kernel, whose tiling is made for many query rows
+        hidden = meta.memo.get("hidden")
+        if hidden is None:
+            hidden = meta.memo["hidden"] = ~meta.mask
+        scores = torch.matmul(q * (head_dim**-0.5 if scale is None else scale), k.mT)
+        scores.masked_fill_(hidden, float("-inf"))
+        out = torch.matmul(scores.softmax(dim=-1), v)
         return out.reshape(seqs, heads, head_dim)
     q = query[meta.query_index].transpose(1, 2)  # (seqs, heads, max_new, head_dim)
     mask = meta.mask
