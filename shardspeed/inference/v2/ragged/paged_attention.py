@@ -198,8 +198,10 @@ def _groups(
     longer = [s for s, n in enumerate(new_tokens) if n != 1]
     fresh = [s for s in longer if seen_tokens[s] == 0]
     longers = [longer] if longer else []
-    if fresh and len(fresh) < len(longer) and sum(new_tokens[s] for s in fresh) >= (
-        _MIN_FRESH_TOKENS
+    if (
+        fresh
+        and len(fresh) < len(longer)
+        and sum(new_tokens[s] for s in fresh) >= (_MIN_FRESH_TOKENS)
     ):
         # fresh prompts then attend causally to their own keys: no gather, no padded mask
         longers = [fresh, [s for s in longer if seen_tokens[s] != 0]]
