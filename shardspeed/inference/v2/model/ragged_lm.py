@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardspeed.inference.fused.fuse_linear import fuse_linears
+from shardspeed.inference.quantization import Int8Linear
 from shardspeed.inference.v2.ragged.kv_cache import BlockedKVCache
 from shardspeed.inference.v2.ragged.paged_attention import RaggedBatchMetadata, paged_attention
 
@@ -116,6 +118,17 @@ class RaggedCausalLM(nn.Module):
         self.max_positions: int | None = int(config.n_positions) if self.layout == "gpt2" else None
         self._windows = [self._sliding_window(layer) for layer in self.layers]
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
+        # per layer: q/k/v and gate/up as one matmul each where the linears allow it (a plain
+        # list, not submodules: the fused weights share the originals' storage)
+        self._qkv: list[nn.Module | None] = []
+        self._gate_up: list[nn.Module | None] = []
+        if self.layout == "rotary":
+            for layer in self.layers:
+                attn, mlp = layer.self_attn, layer.mlp
+                self._qkv.append(_fused([attn.q_proj, attn.k_proj, attn.v_proj]))
+                gated = all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj"))
+                parts = [mlp.gate_proj, mlp.up_proj] if gated else []
+                self._gate_up.append(_fused(parts) if hasattr(mlp, "act_fn") else None)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -184,21 +197,44 @@ class RaggedCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(hidden)
-            q = attn.q_proj(x).view(tokens, -1, self.head_dim)
-            k = attn.k_proj(x).view(tokens, -1, self.head_dim)
-            v = attn.v_proj(x).view(tokens, -1, self.head_dim)
+            q, k, v = self._project_qkv(i, attn, x)
             if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+                q, k = _rope(attn.q_norm(q), cos, sin), _rope(attn.k_norm(k), cos, sin)
+            else:  # q and k side by side in the fused output: one rotary pass over both
+                heads = q.shape[1]
+                qk = _rope(_qk(q, k), cos, sin)
+                q, k = qk[:, :heads], qk[:, heads:]
             cache.write(i, meta.slots, k, v)
             out = paged_attention(
                 q, cache.keys[i], cache.values[i], metas[self._windows[i]], scale=attn.scaling
             )
             hidden = hidden + attn.o_proj(out.reshape(tokens, -1))
             x = layer.post_attention_layernorm(hidden)
-            # MoE blocks (Mixtral) take (batch, seq, hidden): the flat run is one row
-            hidden = hidden + layer.mlp(x[None])[0]
+            gate_up = self._gate_up[i] if self._gate_up else None
+            if gate_up is not None:
+                mlp = layer.mlp
+                gate, up = gate_up(x).chunk(2, dim=-1)
+                hidden = hidden + mlp.down_proj(mlp.act_fn(gate).mul_(up))
+            else:
+                # MoE blocks (Mixtral) take (batch, seq, hidden): the flat run is one row
+                hidden = hidden + layer.mlp(x[None])[0]
         return hidden
+
+    def _project_qkv(
+        self, i: int, attn: Any, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v (tokens, heads, head_dim) of layer ``i``: one matmul when fused."""
+        tokens = x.shape[0]
+        fused = self._qkv[i] if self._qkv else None
+        if fused is None:
+            q = attn.q_proj(x).view(tokens, -1, self.head_dim)
+            k = attn.k_proj(x).view(tokens, -1, self.head_dim)
+            v = attn.v_proj(x).view(tokens, -1, self.head_dim)
+            return q, k, v
+        qkv = fused(x).view(tokens, -1, self.head_dim)
+        kv = self.kv_heads
+        heads = qkv.shape[1] - 2 * kv
+        return qkv[:, :heads], qkv[:, heads : heads + kv], qkv[:, heads + kv :]
 
     def _rotary(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """cos/sin (tokens, head_dim) of the model's own rotary module (its scaling variant
@@ -243,6 +279,28 @@ class RaggedCausalLM(nn.Module):
             hidden = hidden + attn.c_proj(out.reshape(tokens, -1))
             hidden = hidden + block.mlp(block.ln_2(hidden))
         return hidden
+
+
+def _fused(parts: list[Any]) -> nn.Module | None:
+    """``parts`` fused into one linear (:func:`fuse_linears`) when all are plain ``nn.Linear``
+    or all :class:`Int8Linear`; None otherwise (AutoTP's sharded linears stay as they are)."""
+    if not parts:
+        return None
+    if all(type(p) is nn.Linear for p in parts) or all(type(p) is Int8Linear for p in parts):
+        return fuse_linears(parts)
+    return None
+
+
+def _qk(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """q and k (tokens, heads, head_dim) side by side as one (tokens, heads + kv_heads, ...)
+    tensor: a view of the fused projection's output when they are adjacent there, else a copy."""
+    heads = q.shape[1]
+    if (
+        k.data_ptr() == q.data_ptr() + heads * q.stride(1) * q.element_size()
+        and q.stride() == k.stride()
+    ):
+        return q.as_strided((q.shape[0], heads + k.shape[1], q.shape[2]), q.stride())
+    return torch.cat((q, k), dim=1)
 
 
 def _out_features(linear: Any) -> int:
