@@ -10,6 +10,7 @@ sequence's own offset and hides the padding.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -227,6 +228,27 @@ def _groups(
     return groups if len(groups) > 1 else []
 
 
+# Per thread, grow-only buffers the key/value gathers land in: a fresh multi-megabyte tensor per
+# gather costs more than the copy itself (the allocator hands back untouched pages that fault
+# in), while every gathered batch is used up before the next gather starts.
+_WORKSPACE = threading.local()
+
+
+def _gather(rows: torch.Tensor, index: torch.Tensor, slot: int) -> torch.Tensor:
+    """``rows.index_select(0, index)`` written into this thread's reused buffer ``slot`` (valid
+    until the next gather into the same slot)."""
+    buffers: dict[Any, torch.Tensor] | None = getattr(_WORKSPACE, "buffers", None)
+    if buffers is None:
+        buffers = _WORKSPACE.buffers = {}
+    key = (slot, rows.dtype, rows.device)
+    need = index.numel() * rows.shape[1]
+    buffer = buffers.get(key)
+    if buffer is None or buffer.numel() < need:
+        buffer = buffers[key] = rows.new_empty(need)
+    out = buffer[:need].view(index.numel(), rows.shape[1])
+    return torch.index_select(rows, 0, index, out=out)
+
+
 def paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -261,8 +283,10 @@ def paged_attention(
         # keys/values (padding rows only see real keys or padding and are discarded).
         q = query[meta.query_index].transpose(1, 2)  # (seqs, heads, max_new, head_dim)
         index = meta.slots[meta.query_index]  # (seqs, max_new) cache slots of the new tokens
-        k = key_cache.view(-1, kv_heads, head_dim)[index].transpose(1, 2)
-        v = value_cache.view(-1, kv_heads, head_dim)[index].transpose(1, 2)
+        shape = (seqs, max_new, kv_heads, head_dim)
+        flat = index.reshape(-1)
+        k = _gather(key_cache.view(-1, kv_heads * head_dim), flat, 0).view(shape).transpose(1, 2)
+        v = _gather(value_cache.view(-1, kv_heads * head_dim), flat, 1).view(shape).transpose(1, 2)
         out = F.scaled_dot_product_attention(
             q, k.to(q.dtype), v.to(q.dtype), is_causal=True, scale=scale, enable_gqa=group > 1
         )
@@ -271,8 +295,8 @@ def paged_attention(
     # as SDPA wants them (sequences, kv_heads, context, head_dim): no block gather + transpose
     index = meta.gather_index(kv_heads)
     ctx = meta.block_tables.shape[1] * meta.block_size
-    k = key_cache.view(-1, head_dim).index_select(0, index).view(seqs, kv_heads, ctx, head_dim)
-    v = value_cache.view(-1, head_dim).index_select(0, index).view(seqs, kv_heads, ctx, head_dim)
+    k = _gather(key_cache.view(-1, head_dim), index, 0).view(seqs, kv_heads, ctx, head_dim)
+    v = _gather(value_cache.view(-1, head_dim), index, 1).view(seqs, kv_heads, ctx, head_dim)
     k, v = k.to(query.dtype), v.to(query.dtype)
     if meta.decode:
         # one query per sequence (flat token s is sequence s): the `group` query heads of a kv
