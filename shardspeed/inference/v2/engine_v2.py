@@ -108,8 +108,25 @@ class InferenceEngineV2:
 
     @property
     def free_blocks(self) -> int:
-        """How many KV blocks are free now."""
-        return self._cache.free_blocks
+        """How many KV blocks new tokens can get now: free blocks plus prefix-cached blocks no
+        sequence holds (evicted, least recently used first, when needed)."""
+        return self._state.free_blocks
+
+    @property
+    def cached_blocks(self) -> int:
+        """How many prefix-cached blocks no sequence holds (kept for later prompts, evictable;
+        included in :attr:`free_blocks`)."""
+        return self._state.cached_blocks
+
+    @property
+    def evicted_blocks(self) -> int:
+        """Prefix-cached blocks evicted to make room, so far."""
+        return self._state.evicted_blocks
+
+    def clear_prefix_cache(self) -> int:
+        """Evict every prefix-cached block no sequence holds (they become plainly free) and
+        return how many; blocks live sequences hold stay shared."""
+        return self._state.clear_prefix_cache()
 
     @property
     def total_blocks(self) -> int:
@@ -133,7 +150,7 @@ class InferenceEngineV2:
 
     @property
     def prefix_index_size(self) -> int:
-        """How many blocks the prefix cache indexes now."""
+        """How many blocks the prefix cache indexes now (held by sequences or cached)."""
         return self._state.prefix_index_size
 
     def tracked(self, uid: int) -> bool:
@@ -191,7 +208,9 @@ class InferenceEngineV2:
         if len(uids) > sm.max_ragged_sequence_count:
             return SchedulingResult.BatchSequenceLimitExceeded
         tracked = self._state.n_tracked_sequences
-        free = self._cache.free_blocks
+        # cached blocks count as free: a batch's prefix hits take at most as many of them as
+        # they save in new blocks, so the no-hit estimate below is an upper bound
+        free = self._state.free_blocks
         batch_tokens = 0
         for uid, length in zip(uids, lengths, strict=True):
             seq = self._state.get_sequence(uid)
@@ -232,8 +251,7 @@ class InferenceEngineV2:
                 covered = self._state.adopt_prefix(seq, run.tolist())
                 self.prefix_hit_tokens += covered
                 run = run[covered:]
-            if seq.blocks_needed(run.numel(), self._block_size):
-                self._cache.reserve(seq, run.numel())
+            self._state.reserve(seq, run.numel())
             seq.tokens.extend(run.tolist())
             seq.pre_forward(run.numel())
             seqs.append(seq)
@@ -296,20 +314,21 @@ class InferenceEngineV2:
                 raise SchedulingError(
                     result,
                     f": {len(uids)} sequence(s), {sum(r.numel() for r in runs)} token(s), "
-                    f"{needed_blocks} new KV block(s) of {self._cache.free_blocks} free "
+                    f"{needed_blocks} new KV block(s) of {self._state.free_blocks} free "
                     f"(limits: max_ragged_sequence_count={sm.max_ragged_sequence_count}, "
                     f"max_ragged_batch_size={sm.max_ragged_batch_size}, "
                     f"max_tracked_sequences={sm.max_tracked_sequences}); put fewer tokens or "
                     "flush finished sequences.",
                 )
-        elif needed_blocks > self._cache.free_blocks:
+        elif needed_blocks > self._state.free_blocks:
             # without the checks a too-large batch must still fail before changing anything
             raise SchedulingError(
                 SchedulingResult.KVCacheLimitExceeded,
-                f": the batch needs {needed_blocks} new KV blocks and {self._cache.free_blocks} "
+                f": the batch needs {needed_blocks} new KV blocks and {self._state.free_blocks} "
                 "are free; flush finished sequences or put fewer tokens.",
             )
 
     def flush(self, uid: int) -> None:
-        """Forget sequence ``uid`` and free its KV blocks (ValueError when it is not tracked)."""
+        """Forget sequence ``uid`` and free its KV blocks (ValueError when it is not tracked);
+        with prefix caching its indexed full blocks stay cached for later prompts."""
         self._state.flush_sequence(uid)

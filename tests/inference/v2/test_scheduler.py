@@ -181,7 +181,10 @@ def test_thousand_random_requests_with_aborts_return_every_block() -> None:
     assert aborted > 50 and not live and sched.num_preemptions > 0
     assert engine.prefix_hit_tokens > 0
     assert engine.free_blocks == engine.total_blocks and engine.n_tracked_sequences == 0
-    assert engine.prefix_index_size == 0
+    # every indexed block is kept cached, held by no sequence; clearing frees them all
+    assert engine.prefix_index_size == engine.cached_blocks
+    engine.clear_prefix_cache()
+    assert engine.prefix_index_size == 0 and engine.free_blocks == engine.total_blocks
 
 
 def test_real_engine_too_big_and_abort() -> None:
