@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardspeed.inference.fused.attention import rotate_half
 from shardspeed.inference.fused.fuse_linear import fuse_linears
 from shardspeed.inference.quantization import Int8Linear
 from shardspeed.inference.v2.ragged.kv_cache import BlockedKVCache
@@ -40,14 +41,9 @@ SUPPORTED_FAMILIES: tuple[str, ...] = tuple(_LAYOUTS)
 _STATIC_ROPE = frozenset({"default", "linear", "llama3"})
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding of ``x`` (tokens, heads, head_dim) with ``cos``/``sin`` (tokens, dim)."""
-    return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
+    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
 
 
 def _windowed(meta: RaggedBatchMetadata, window: int) -> RaggedBatchMetadata:
