@@ -45,6 +45,18 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
             "sliding_window": None,
         },
     ),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        {
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "intermediate_size": 64,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": None,
+        },
+    ),
     "opt": ("OPTConfig", "OPTForCausalLM", {"num_attention_heads": 4, "ffn_dim": 128}),
     # Falcon's fused query_key_value in its three layouts: multi-query (the default),
     # head by head (multi_query=False, with biases), per key/value group (new_decoder_architecture)

@@ -7,90 +7,38 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import transformers
 
-VOCAB = 256
+from tests.inference import models
+
+VOCAB = models.VOCAB
 MAX_POSITIONS = 512
 
-# name: (config class, model class, config kwargs)
-FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
-    "llama": (
-        "LlamaConfig",
-        "LlamaForCausalLM",
-        {"num_attention_heads": 8, "num_key_value_heads": 2, "intermediate_size": 128},
-    ),
-    "mistral": (
-        "MistralConfig",
-        "MistralForCausalLM",
-        {
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "intermediate_size": 128,
-            "sliding_window": None,
-        },
-    ),
-    "qwen2": (
-        "Qwen2Config",
-        "Qwen2ForCausalLM",
-        {"num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128},
-    ),
-    "qwen3": (
-        "Qwen3Config",
-        "Qwen3ForCausalLM",
-        {
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 32,
-            "intermediate_size": 128,
-            "tie_word_embeddings": True,
-        },
-    ),
-    "mixtral": (
-        "MixtralConfig",
-        "MixtralForCausalLM",
-        {
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "intermediate_size": 64,
-            "num_local_experts": 4,
-            "num_experts_per_tok": 2,
-            "sliding_window": None,
-        },
-    ),
-    "gpt2": ("GPT2Config", "GPT2LMHeadModel", {"n_head": 4}),
+# inference/models.py's families, shaped for these tests (grouped-query attention in every
+# rotary family, 512 positions, no padding row zeroed in the embeddings), plus a
+# sliding-window variant (window 8 tokens, far below the prompts used)
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama": {"intermediate_size": 128},
+    "mistral": {},
+    "qwen2": {"num_key_value_heads": 2},
+    "qwen3": {"intermediate_size": 128},
+    "mixtral": {},
+    "gpt2": {"n_positions": MAX_POSITIONS},
 }
-# The sliding-window variant (window 8 tokens, far below the prompts used).
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral-window": ("mistral", {"sliding_window": 8}),
 }
 
 
-def config(family: str, **overrides: Any) -> Any:
-    """The family's tiny config (``family`` may name a variant)."""
-    if family in VARIANTS:
-        family, extra = VARIANTS[family]
-        overrides = extra | overrides
-    config_cls, _, kwargs = FAMILIES[family]
-    common: dict[str, Any] = {"vocab_size": VOCAB, "bos_token_id": 0, "eos_token_id": None}
-    if family == "gpt2":
-        common |= {"n_embd": 64, "n_layer": 2, "n_positions": MAX_POSITIONS}
-    else:
-        common |= {
-            "hidden_size": 64,
-            "num_hidden_layers": 2,
-            "max_position_embeddings": MAX_POSITIONS,
-        }
-    common["initializer_range"] = 0.1
-    return getattr(transformers, config_cls)(**(common | kwargs | overrides))
+def _overrides(family: str, overrides: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    base, extra = VARIANTS.get(family, (family, {}))
+    positions = {} if base == "gpt2" else {"max_position_embeddings": MAX_POSITIONS}
+    return base, {"pad_token_id": None} | positions | SHAPES[base] | extra | overrides
 
 
 def build(family: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:
     """The family's tiny model in fp32, eval mode, the same weights for the same seed."""
-    base = VARIANTS[family][0] if family in VARIANTS else family
-    torch.manual_seed(seed)
-    model = getattr(transformers, FAMILIES[base][1])(config(family, **overrides)).eval()
-    model.requires_grad_(False)
-    return model
+    base, kwargs = _overrides(family, overrides)
+    return models.build(base, seed, **kwargs)
 
 
 def tokens(length: int, seed: int) -> torch.Tensor:

@@ -95,10 +95,11 @@ def test_arrivals_over_time_sampled_equal_single_request_runs() -> None:
     ]
     outputs = _run_arriving(RaggedScheduler(_engine(), token_budget=96), work)
     greedy_differs = 0
+    model = _model()
     for i, (prompt, params) in enumerate(work):
         assert outputs[i] == _alone(prompt, params), f"request {i}"
         greedy_differs += outputs[i] != hf_models.greedy(
-            _model(), torch.tensor(prompt), params.max_new_tokens
+            model, torch.tensor(prompt), params.max_new_tokens
         )
     assert greedy_differs >= 4  # sampling really sampled
 
