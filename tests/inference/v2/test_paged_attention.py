@@ -114,7 +114,7 @@ def test_metadata_and_shape_errors() -> None:
     with pytest.raises(ValueError, match="one entry per sequence"):
         RaggedBatchMetadata.build([0], [1, 1], [[0]], 4)
     meta = RaggedBatchMetadata.build([0], [2], [[0]], 4)
-    cache = torch.zeros(2, 4, 3, HEAD_DIM)
+    cache = torch.zeros(3, 2, 4, HEAD_DIM)  # (kv_heads, blocks, block_size, head_dim)
     with pytest.raises(ValueError, match="multiple of kv heads"):
         paged_attention(torch.zeros(2, 4, HEAD_DIM), cache, cache, meta)
     with pytest.raises(ValueError, match="query has 3 tokens"):

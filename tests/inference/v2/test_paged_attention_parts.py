@@ -10,8 +10,8 @@ from shardspeed.inference.v2.ragged.paged_attention import RaggedBatchMetadata, 
 def test_mixed_batch_runs_per_group_with_the_same_result() -> None:
     torch.manual_seed(0)
     block, kv_heads, heads, dim = 4, 2, 4, 8
-    cache_k = torch.randn(16, block, kv_heads, dim)
-    cache_v = torch.randn(16, block, kv_heads, dim)
+    cache_k = torch.randn(kv_heads, 16, block, dim)
+    cache_v = torch.randn(kv_heads, 16, block, dim)
     seen, new = [5, 0, 9, 2], [1, 7, 1, 3]
     tables = [[0, 1], [2, 3], [4, 5, 6], [7, 8]]
     split = RaggedBatchMetadata.build(seen, new, tables, block)

@@ -73,8 +73,10 @@ class SequenceDescriptor:
 
 class BlockedKVCache:
     """Keys and values of ``num_layers`` layers, each a tensor of shape
-    (num_blocks, block_size, kv_heads, head_dim), with the allocator that hands out their blocks
-    (one block id covers the same slots in every layer)."""
+    (kv_heads, num_blocks, block_size, head_dim), with the allocator that hands out their blocks
+    (one block id covers the same slots in every layer and head). Head-major, so one kv head's
+    block is one contiguous run of ``block_size * head_dim`` values: attention gathers a
+    sequence's context by whole blocks straight into (kv_heads, context, head_dim)."""
 
     def __init__(
         self,
@@ -97,7 +99,7 @@ class BlockedKVCache:
         self.allocator = BlockedAllocator(num_blocks)
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.kv_heads, self.head_dim = kv_heads, head_dim
-        shape = (num_blocks, block_size, kv_heads, head_dim)
+        shape = (kv_heads, num_blocks, block_size, head_dim)
         # Zeroed, not empty: gathered padding slots are masked out, but NaN garbage times a zero
         # attention weight would still be NaN.
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -159,11 +161,11 @@ class BlockedKVCache:
                 f"keys/values must be shaped {expected} (tokens, kv_heads, head_dim), got "
                 f"{tuple(keys.shape)} and {tuple(values.shape)}."
             )
-        flat_k = self.keys[layer].view(-1, self.kv_heads, self.head_dim)
-        flat_v = self.values[layer].view(-1, self.kv_heads, self.head_dim)
+        flat_k = self.keys[layer].view(self.kv_heads, -1, self.head_dim)
+        flat_v = self.values[layer].view(self.kv_heads, -1, self.head_dim)
         index = slots.to(device=flat_k.device, dtype=torch.int64)
-        flat_k.index_copy_(0, index, keys.to(flat_k.dtype))
-        flat_v.index_copy_(0, index, values.to(flat_v.dtype))
+        flat_k.index_copy_(1, index, keys.to(flat_k.dtype).transpose(0, 1))
+        flat_v.index_copy_(1, index, values.to(flat_v.dtype).transpose(0, 1))
 
     def read(
         self, layer: int, block_ids: Sequence[int] | torch.Tensor, length: int
@@ -176,6 +178,6 @@ class BlockedKVCache:
                 f"{length} tokens asked for from a table of {table.numel()} block(s) of "
                 f"{self.block_size}."
             )
-        keys = self.keys[layer][table].flatten(0, 1)[:length]
-        values = self.values[layer][table].flatten(0, 1)[:length]
-        return keys, values
+        keys = self.keys[layer][:, table].flatten(1, 2)[:, :length].transpose(0, 1)
+        values = self.values[layer][:, table].flatten(1, 2)[:, :length].transpose(0, 1)
+        return keys.contiguous(), values.contiguous()

@@ -161,19 +161,17 @@ class RaggedBatchMetadata:
             fresh=not any(seen_tokens),
         )
 
-    def gather_index(self, kv_heads: int) -> torch.Tensor:
-        """Row indices into a cache viewed as (slots * kv_heads, head_dim) that gather every
-        sequence's padded context as (sequences, kv_heads, max_context, head_dim) in one
-        ``index_select`` (built once per batch and kv head count, shared by all layers)."""
-        index = self.memo.get(kv_heads)
+    def gather_index(self, kv_heads: int, num_blocks: int) -> torch.Tensor:
+        """Row indices into a head-major cache viewed as (kv_heads * num_blocks,
+        block_size * head_dim) that gather every sequence's padded context as (sequences,
+        kv_heads, max_context, head_dim) in one ``index_select`` of whole blocks (built once per
+        batch and cache shape, shared by all layers)."""
+        key = (kv_heads, num_blocks)
+        index = self.memo.get(key)
         if index is None:
-            seqs, max_blocks = self.block_tables.shape
-            device = self.block_tables.device
-            offsets = torch.arange(self.block_size, device=device)
-            slots = (self.block_tables[:, :, None] * self.block_size + offsets).reshape(seqs, -1)
-            heads = torch.arange(kv_heads, device=device)
-            index = (slots[:, None, :] * kv_heads + heads[None, :, None]).reshape(-1)
-            self.memo[kv_heads] = index
+            heads = torch.arange(kv_heads, device=self.block_tables.device) * num_blocks
+            index = (heads[None, :, None] + self.block_tables[:, None, :]).reshape(-1)
+            self.memo[key] = index
         return index
 
 
@@ -234,19 +232,32 @@ def _groups(
 _WORKSPACE = threading.local()
 
 
-def _gather(rows: torch.Tensor, index: torch.Tensor, slot: int) -> torch.Tensor:
-    """``rows.index_select(0, index)`` written into this thread's reused buffer ``slot`` (valid
-    until the next gather into the same slot)."""
+def _buffer(slot: int, like: torch.Tensor, numel: int) -> torch.Tensor:
+    """The first ``numel`` values of this thread's reused buffer ``slot`` (``like``'s dtype and
+    device; valid until the next use of the same slot)."""
     buffers: dict[Any, torch.Tensor] | None = getattr(_WORKSPACE, "buffers", None)
     if buffers is None:
         buffers = _WORKSPACE.buffers = {}
-    key = (slot, rows.dtype, rows.device)
-    need = index.numel() * rows.shape[1]
+    key = (slot, like.dtype, like.device)
     buffer = buffers.get(key)
-    if buffer is None or buffer.numel() < need:
-        buffer = buffers[key] = rows.new_empty(need)
-    out = buffer[:need].view(index.numel(), rows.shape[1])
+    if buffer is None or buffer.numel() < numel:
+        buffer = buffers[key] = like.new_empty(numel)
+    return buffer[:numel]
+
+
+def _gather(rows: torch.Tensor, index: torch.Tensor, slot: int) -> torch.Tensor:
+    """``rows.index_select(0, index)`` written into this thread's reused buffer ``slot``."""
+    out = _buffer(slot, rows, index.numel() * rows.shape[1]).view(index.numel(), rows.shape[1])
     return torch.index_select(rows, 0, index, out=out)
+
+
+def _gather_slots(cache: torch.Tensor, slots: torch.Tensor, slot: int) -> torch.Tensor:
+    """The keys or values at cache ``slots`` as (kv_heads, len(slots), head_dim), gathered
+    into this thread's reused buffer ``slot``."""
+    kv_heads, head_dim = cache.shape[0], cache.shape[-1]
+    flat = cache.view(kv_heads, -1, head_dim)
+    out = _buffer(slot, cache, kv_heads * slots.numel() * head_dim)
+    return torch.index_select(flat, 1, slots, out=out.view(kv_heads, slots.numel(), head_dim))
 
 
 def paged_attention(
@@ -258,16 +269,16 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention of the ragged batch's new tokens ``query`` (tokens, heads, head_dim) over the
     keys/values of their sequences in one layer's cache ``key_cache``/``value_cache``
-    (num_blocks, block_size, kv_heads, head_dim), the new tokens already written there. ``heads``
+    (kv_heads, num_blocks, block_size, head_dim), the new tokens already written there. ``heads``
     must be a multiple of ``kv_heads`` (grouped-query attention: query head ``h`` reads kv head
     ``h // (heads // kv_heads)``). Returns (tokens, heads, head_dim)."""
     tokens, heads, head_dim = query.shape
-    kv_heads = key_cache.shape[2]
+    kv_heads, num_blocks, block_size = key_cache.shape[:3]
     if tokens != meta.num_tokens:
         raise ValueError(f"query has {tokens} tokens and the batch metadata {meta.num_tokens}.")
-    if key_cache.shape[1] != meta.block_size:
+    if block_size != meta.block_size:
         raise ValueError(
-            f"the cache's block size is {key_cache.shape[1]} and the metadata's {meta.block_size}."
+            f"the cache's block size is {block_size} and the metadata's {meta.block_size}."
         )
     if heads % kv_heads:
         raise ValueError(f"query heads ({heads}) must be a multiple of kv heads ({kv_heads}).")
@@ -282,21 +293,21 @@ def paged_attention(
         # Nothing cached before these tokens: each sequence attends causally to its own new
         # keys/values (padding rows only see real keys or padding and are discarded).
         q = query[meta.query_index].transpose(1, 2)  # (seqs, heads, max_new, head_dim)
-        index = meta.slots[meta.query_index]  # (seqs, max_new) cache slots of the new tokens
-        shape = (seqs, max_new, kv_heads, head_dim)
-        flat = index.reshape(-1)
-        k = _gather(key_cache.view(-1, kv_heads * head_dim), flat, 0).view(shape).transpose(1, 2)
-        v = _gather(value_cache.view(-1, kv_heads * head_dim), flat, 1).view(shape).transpose(1, 2)
+        flat = meta.slots[meta.query_index].reshape(-1)  # cache slots of the new tokens
+        k = _gather_slots(key_cache, flat, 0).view(kv_heads, seqs, max_new, head_dim)
+        v = _gather_slots(value_cache, flat, 1).view(kv_heads, seqs, max_new, head_dim)
+        k, v = k.transpose(0, 1), v.transpose(0, 1)
         out = F.scaled_dot_product_attention(
             q, k.to(q.dtype), v.to(q.dtype), is_causal=True, scale=scale, enable_gqa=group > 1
         )
         return out.transpose(1, 2)[meta.token_seq, meta.token_offset]
-    # one index_select of head_dim-wide rows lands every sequence's keys/values already laid out
-    # as SDPA wants them (sequences, kv_heads, context, head_dim): no block gather + transpose
-    index = meta.gather_index(kv_heads)
-    ctx = meta.block_tables.shape[1] * meta.block_size
-    k = _gather(key_cache.view(-1, head_dim), index, 0).view(seqs, kv_heads, ctx, head_dim)
-    v = _gather(value_cache.view(-1, head_dim), index, 1).view(seqs, kv_heads, ctx, head_dim)
+    # one index_select of whole head-major blocks lands every sequence's keys/values already
+    # laid out as SDPA wants them (sequences, kv_heads, context, head_dim): no transpose
+    index = meta.gather_index(kv_heads, num_blocks)
+    ctx = meta.block_tables.shape[1] * block_size
+    row = block_size * head_dim
+    k = _gather(key_cache.view(-1, row), index, 0).view(seqs, kv_heads, ctx, head_dim)
+    v = _gather(value_cache.view(-1, row), index, 1).view(seqs, kv_heads, ctx, head_dim)
     k, v = k.to(query.dtype), v.to(query.dtype)
     if meta.decode:
         # one query per sequence (flat token s is sequence s): the `group` query heads of a kv
