@@ -40,7 +40,7 @@ class RaggedBatchMetadata:
     short context is not gathered (and attended) padded to the longest one.
     ``decode``: every sequence brings one new token (attention takes one query row each).
     ``fresh``: no sequence has cached tokens and the mask is plain causal, so each sequence's
-    keys/values are exactly its new tokens' (no gather from the cache).
+    keys/values are exactly its new tokens' (no padded context gathered from the cache).
     """
 
     positions: torch.Tensor
@@ -56,9 +56,7 @@ class RaggedBatchMetadata:
     fresh: bool = False
     # per-step memo shared by every layer (gather indices by kv head count); not an init field,
     # so dataclasses.replace (e.g. a windowed copy) starts a fresh one
-    memo: dict[Any, torch.Tensor] = field(
-        default_factory=dict, init=False, repr=False, compare=False
-    )
+    memo: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -99,53 +97,92 @@ class RaggedBatchMetadata:
                     f"sequence {s}: {seen + new} tokens do not fit its {len(table)} block(s) of "
                     f"{block_size}; reserve blocks first."
                 )
-        n_seq = len(new_tokens)
-        max_new = max(new_tokens)
         max_blocks = max(len(t) for t in block_tables)
-        max_ctx = max_blocks * block_size
-
         # one tensor from padded lists: a copy per sequence costs more than the whole batch
         tables = torch.tensor(
-            [[int(b) for b in t] + [0] * (max_blocks - len(t)) for t in block_tables],
-            dtype=torch.int64,
+            [_ints(t) + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.int64
         )
-        new_t = torch.as_tensor(list(new_tokens), dtype=torch.int64)
-        seen_t = torch.as_tensor(list(seen_tokens), dtype=torch.int64)
-
-        token_seq = torch.repeat_interleave(torch.arange(n_seq), new_t)
-        starts = torch.cumsum(new_t, 0) - new_t
-        token_offset = torch.arange(int(new_t.sum())) - starts[token_seq]
-        positions = seen_t[token_seq] + token_offset
-        slots = tables[token_seq, positions // block_size] * block_size + positions % block_size
-
-        rows = torch.arange(max_new)
-        query_index = torch.where(rows < new_t[:, None], starts[:, None] + rows, 0)
-
+        seen_t = torch.tensor(list(seen_tokens), dtype=torch.int64)
+        new_t = torch.tensor(list(new_tokens), dtype=torch.int64)
         groups = _groups(seen_tokens, new_tokens, block_tables, block_size) if split else []
         parts: list[tuple[torch.Tensor, RaggedBatchMetadata]] = []
-        for group in groups:
-            index = torch.cat([starts[s] + torch.arange(new_tokens[s]) for s in group])
-            sub = cls.build(
-                [seen_tokens[s] for s in group],
-                [new_tokens[s] for s in group],
-                [block_tables[s] for s in group],
-                block_size,
-                device,
-                split=False,
-            )
-            parts.append((index.to(device), sub))
+        if groups:
+            starts = torch.cumsum(new_t, 0) - new_t
+            for group in groups:
+                g = torch.tensor(group, dtype=torch.int64)
+                news = [new_tokens[s] for s in group]
+                if max(news) == 1:
+                    index = starts[g]  # one flat token per sequence
+                else:
+                    counts = new_t[g]
+                    first = torch.cumsum(counts, 0) - counts
+                    index = torch.arange(int(counts.sum())) + torch.repeat_interleave(
+                        starts[g] - first, counts
+                    )
+                blocks = max(len(block_tables[s]) for s in group)
+                sub = cls._from_tensors(
+                    seen_t[g],
+                    new_t[g],
+                    tables[g, :blocks],
+                    block_size,
+                    device,
+                    max_new=max(news),
+                    fresh=not any(seen_tokens[s] for s in group),
+                )
+                parts.append((index.to(device), sub))
+        return cls._from_tensors(
+            seen_t,
+            new_t,
+            tables,
+            block_size,
+            device,
+            max_new=max(new_tokens),
+            fresh=not any(seen_tokens),
+            parts=tuple(parts),
+        )
+
+    @classmethod
+    def _from_tensors(
+        cls,
+        seen_t: torch.Tensor,
+        new_t: torch.Tensor,
+        tables: torch.Tensor,
+        block_size: int,
+        device: torch.device | str,
+        max_new: int,
+        fresh: bool,
+        parts: tuple[tuple[torch.Tensor, RaggedBatchMetadata], ...] = (),
+    ) -> RaggedBatchMetadata:
+        """The metadata of checked per-sequence ``seen_t``/``new_t`` (int64) and padded block
+        ``tables`` (``max_new``: the largest new count; ``fresh``: nothing seen)."""
+        n_seq = new_t.numel()
+        max_ctx = tables.shape[1] * block_size
+        starts = torch.cumsum(new_t, 0) - new_t
+        if max_new == 1:  # one token per sequence: flat token s is sequence s
+            token_seq = torch.arange(n_seq)
+            token_offset = torch.zeros(n_seq, dtype=torch.int64)
+            query_index = token_seq[:, None]
+        else:
+            token_seq = torch.repeat_interleave(torch.arange(n_seq), new_t)
+            token_offset = torch.arange(token_seq.numel()) - starts[token_seq]
+            rows = torch.arange(max_new)
+            query_index = torch.where(rows < new_t[:, None], starts[:, None] + rows, 0)
+        positions = seen_t[token_seq] + token_offset
+        slots = tables[token_seq, positions // block_size] * block_size + positions % block_size
 
         if parts:
             # every part masks its own queries: the whole batch's mask would go unused
             mask = torch.ones(n_seq, 0, max_ctx, dtype=torch.bool)
         else:
             # Query i of sequence s sits at position seen[s] + i and sees keys 0 .. seen[s] + i.
+            rows = torch.arange(max_new)
             last_key = seen_t[:, None] + rows  # (n_seq, max_new)
             mask = torch.arange(max_ctx)[None, None, :] <= last_key[:, :, None]
-            # Padding rows see key 0 only: an all-False row would make SDPA return NaN.
-            pad_rows = rows[None, :] >= new_t[:, None]
-            mask = mask & ~pad_rows[:, :, None]
-            mask[:, :, 0] |= pad_rows
+            if max_new > 1:
+                # Padding rows see key 0 only: an all-False row would make SDPA return NaN.
+                pad_rows = rows[None, :] >= new_t[:, None]
+                mask = mask & ~pad_rows[:, :, None]
+                mask[:, :, 0] |= pad_rows
 
         return cls(
             positions=positions.to(device),
@@ -156,9 +193,9 @@ class RaggedBatchMetadata:
             block_tables=tables.to(device),
             mask=mask[:, None].to(device),
             block_size=block_size,
-            parts=tuple(parts),
+            parts=parts,
             decode=max_new == 1,
-            fresh=not any(seen_tokens),
+            fresh=fresh,
         )
 
     def gather_index(self, kv_heads: int, num_blocks: int) -> torch.Tensor:
@@ -173,6 +210,13 @@ class RaggedBatchMetadata:
             index = (heads[None, :, None] + self.block_tables[:, None, :]).reshape(-1)
             self.memo[key] = index
         return index
+
+
+def _ints(values: Sequence[int] | torch.Tensor) -> list[int]:
+    """``values`` as a list of Python ints (block ids given as a list or a tensor)."""
+    if isinstance(values, torch.Tensor):
+        return [int(v) for v in values.reshape(-1).tolist()]
+    return values if isinstance(values, list) else [int(v) for v in values]
 
 
 # Smallest saving, in padded context tokens, worth another attention call (gather + SDPA) per
@@ -291,16 +335,28 @@ def paged_attention(
     group = heads // kv_heads
     if meta.fresh:
         # Nothing cached before these tokens: each sequence attends causally to its own new
-        # keys/values (padding rows only see real keys or padding and are discarded).
-        q = query[meta.query_index].transpose(1, 2)  # (seqs, heads, max_new, head_dim)
-        flat = meta.slots[meta.query_index].reshape(-1)  # cache slots of the new tokens
-        k = _gather_slots(key_cache, flat, 0).view(kv_heads, seqs, max_new, head_dim)
-        v = _gather_slots(value_cache, flat, 1).view(kv_heads, seqs, max_new, head_dim)
-        k, v = k.transpose(0, 1), v.transpose(0, 1)
-        out = F.scaled_dot_product_attention(
-            q, k.to(q.dtype), v.to(q.dtype), is_causal=True, scale=scale, enable_gqa=group > 1
-        )
-        return out.transpose(1, 2)[meta.token_seq, meta.token_offset]
+        # keys/values, one SDPA call per sequence (no padding to the longest prompt: padded
+        # calls cost 2-3x as much for prompts of mixed lengths)
+        lengths = meta.memo.get("lengths")
+        if lengths is None:
+            lengths = meta.memo["lengths"] = torch.bincount(meta.token_seq, minlength=seqs).tolist()
+        k = _gather_slots(key_cache, meta.slots, 0)  # (kv_heads, tokens, head_dim)
+        v = _gather_slots(value_cache, meta.slots, 1)
+        out = query.new_empty(tokens, heads, head_dim)
+        start = 0
+        for length in lengths:
+            end = start + length
+            attended = F.scaled_dot_product_attention(
+                query[start:end].transpose(0, 1)[None],
+                k[None, :, start:end].to(query.dtype),
+                v[None, :, start:end].to(query.dtype),
+                is_causal=True,
+                scale=scale,
+                enable_gqa=group > 1,
+            )
+            out[start:end] = attended[0].transpose(0, 1)
+            start = end
+        return out
     # one index_select of whole head-major blocks lands every sequence's keys/values already
     # laid out as SDPA wants them (sequences, kv_heads, context, head_dim): no transpose
     index = meta.gather_index(kv_heads, num_blocks)
