@@ -373,12 +373,15 @@ def paged_attention(
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.mask, scale=scale)
             return out.reshape(seqs, heads, head_dim)
         # float32 with a handful of query rows: two batched matmuls and a softmax beat the
-        # CPU flash kernel, whose tiling is made for many query rows
-        hidden = meta.memo.get("hidden")
-        if hidden is None:
-            hidden = meta.memo["hidden"] = ~meta.mask
+        # CPU flash kernel, whose tiling is made for many query rows; the mask as an additive
+        # -inf bias made once per step for all layers (a broadcast add costs a tenth of
+        # masked_fill_ with a broadcast mask)
+        bias = meta.memo.get("bias")
+        if bias is None:
+            bias = torch.zeros(meta.mask.shape, dtype=q.dtype, device=q.device)
+            bias = meta.memo["bias"] = bias.masked_fill_(~meta.mask, float("-inf"))
         scores = torch.matmul(q * (head_dim**-0.5 if scale is None else scale), k.mT)
-        scores.masked_fill_(hidden, float("-inf"))
+        scores += bias
         out = torch.matmul(scores.softmax(dim=-1), v)
         return out.reshape(seqs, heads, head_dim)
     q = query[meta.query_index].transpose(1, 2)  # (seqs, heads, max_new, head_dim)
