@@ -219,11 +219,14 @@ class RaggedScheduler:
         logits = logits.detach().float().cpu()
         self.num_steps += 1
         self.last_step = chunks
+        # every greedy pick of the step in one argmax (a request with suppressed stop tokens
+        # or sampling draws its own)
+        greedy = logits.argmax(dim=-1).tolist()
         events = []
         for i, (request, chunk) in enumerate(zip(requests, chunks, strict=True)):
             request.computed += chunk.length
             if chunk.samples:
-                events.append(self._sample(request, logits[i]))
+                events.append(self._sample(request, logits[i], greedy[i]))
         return events
 
     def run_to_completion(self) -> dict[int, list[int]]:
@@ -235,14 +238,18 @@ class RaggedScheduler:
                 outputs.setdefault(event.uid, []).append(event.token)
         return outputs
 
-    def _sample(self, request: Request, logits: torch.Tensor) -> TokenEvent:
-        """Draw ``request``'s next token; finish it (flush) on a stop token or its length."""
+    def _sample(self, request: Request, logits: torch.Tensor, greedy: int) -> TokenEvent:
+        """Draw ``request``'s next token (``greedy``: the argmax of ``logits``); finish it
+        (flush) on a stop token or its length."""
         params = request.params
         stops = set(params.stop_token_ids)
         if not params.ignore_eos:
             stops |= self.eos_token_ids
         suppress = stops if len(request.generated) < params.min_new_tokens else ()
-        token = sample(logits, params, request.generator, suppress=suppress)
+        if params.do_sample or suppress:
+            token = sample(logits, params, request.generator, suppress=suppress)
+        else:
+            token = greedy
         request.generated.append(token)
         reason: FinishReason | None = None
         if token in stops:
