@@ -9,6 +9,9 @@
 # Each part has its own time limit; a failing part does not stop the others. Everything lands
 # in $OUT (or a temporary folder): gpu_summary.md (one line a part), bench_*.json, and the
 # parts' logs in gpu_check_logs.tgz (a device run returns at most 8 files).
+# GPU_CHECK_ONLY=serving runs, after the install and import parts, only inference v2's check
+# instead (issue 29, ~5 minutes): its engine, attention and scheduler tests on the GPU, then
+# benchmarks/bench_serving.py (v2 vs HF static batches vs v1 fused) in fp32 and bf16.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(mktemp -d)}
@@ -48,6 +51,23 @@ if [ -n "$missing" ]; then
   part install 120 "$PY" -m pip install --no-index --find-links .gpu_wheels $missing
 fi
 part import 60 "$PY" -c "import shardspeed, shardspeed.runtime.engine; from shardspeed.accelerator import get_accelerator; print('shardspeed', shardspeed.__version__, 'accelerator', get_accelerator().device_name())"
+
+if [ "${GPU_CHECK_ONLY:-}" = serving ]; then
+  part v2_tests 200 "$PY" -m pytest -q -p no:cacheprovider --timeout 120 tests/inference/v2 \
+    --ignore tests/inference/v2/test_server.py --ignore tests/inference/v2/test_pipeline.py \
+    --ignore tests/inference/v2/test_engine_v2_tp.py
+  for dtype in float32 bfloat16; do
+    # (GPU_CHECK_DEVICE=cpu GPU_CHECK_BENCH_ARGS=--tiny tries it on a CPU machine)
+    part "bench_serving_$dtype" 150 "$PY" benchmarks/bench_serving.py \
+      --device "${GPU_CHECK_DEVICE:-cuda}" --dtype "$dtype" --rate 100 --requests 64 \
+      --rounds 3 --hidden 1024 --heads 16 --kv-heads 8 ${GPU_CHECK_BENCH_ARGS:-}
+    tail -n 1 "$OUT/bench_serving_$dtype.log" >"$OUT/bench_serving_$dtype.json"
+  done
+  echo "total $(($(date +%s) - started)) s" >>"$summary"
+  (cd "$OUT" && tar czf gpu_check_logs.tgz ./*.log && rm -f ./*.log)
+  cat "$summary"
+  exit 0
+fi
 
 # the tests that skip without CUDA, and the ones that touch the accelerator
 part cuda_tests 150 "$PY" -m pytest -q -p no:cacheprovider --timeout 120 \
