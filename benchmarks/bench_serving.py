@@ -222,10 +222,13 @@ def _v2_mode(base: Any, args: argparse.Namespace) -> tuple[Any, Callable[[int], 
         },
     )
     engine = build_hf_engine(copy.deepcopy(base), config)
-    scheduler = RaggedScheduler(engine, token_budget=args.token_budget)
+    eos = base.config.eos_token_id
+    scheduler = RaggedScheduler(engine, token_budget=args.token_budget, eos_token_ids=eos)
 
     def params(new: int) -> Any:
-        return SamplingParams(max_new_tokens=new, min_new_tokens=new, ignore_eos=True)
+        # as generate(min_new_tokens=new, max_new_tokens=new): end-of-sequence is suppressed
+        # until the last token (ignore_eos would let the model pick it and carry on)
+        return SamplingParams(max_new_tokens=new, min_new_tokens=new)
 
     return scheduler, params
 
