@@ -174,6 +174,19 @@ def test_stop_tokens_eos_min_new_tokens_and_ignore_eos() -> None:
     assert summary(run(SamplingParams(max_new_tokens=1), eos=[5])) == ([3], "length")
 
 
+def test_stop_token_suppression_is_per_request_in_one_batch() -> None:
+    """Suppression before min_new_tokens is applied to each request's own row of the step's
+    logits: greedy and sampled requests that need it never draw a stop token, a batch-mate that
+    does not need it stops at once."""
+    sched = RaggedScheduler(_scripted(3, 5), eos_token_ids=[3])
+    held = sched.add_request([1, 2], SamplingParams(max_new_tokens=4, min_new_tokens=2))
+    free = sched.add_request([4, 2], SamplingParams(max_new_tokens=4))
+    sampled = sched.add_request(
+        [6, 2], SamplingParams(max_new_tokens=3, min_new_tokens=3, do_sample=True, top_k=1, seed=0)
+    )
+    assert sched.run_to_completion() == {held: [5, 5, 3], free: [3], sampled: [5, 5, 5]}
+
+
 def test_request_too_big_names_sizes() -> None:
     sched = RaggedScheduler(_engine(total_blocks=6, kv_block_size=4, max_context=40))
     with pytest.raises(ValueError, match=r"7 KV blocks of 4 tokens .*25 tokens.* has 6"):

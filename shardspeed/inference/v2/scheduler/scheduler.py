@@ -219,14 +219,26 @@ class RaggedScheduler:
         logits = logits.detach().float().cpu()
         self.num_steps += 1
         self.last_step = chunks
-        # every greedy pick of the step in one argmax (a request with suppressed stop tokens
-        # or sampling draws its own)
+        # stop tokens before min_new_tokens made -inf, then every greedy pick of the step in
+        # one argmax (sampled requests draw from their own row)
+        stops: list[frozenset[int]] = []
+        banned_rows: list[int] = []
+        banned_tokens: list[int] = []
+        for i, (request, chunk) in enumerate(zip(requests, chunks, strict=True)):
+            ends = self._stops(request) if chunk.samples else frozenset()
+            stops.append(ends)
+            if ends and len(request.generated) < request.params.min_new_tokens:
+                banned_rows += [i] * len(ends)
+                banned_tokens += ends
+        if banned_rows:
+            logits = logits.clone()
+            logits[banned_rows, banned_tokens] = float("-inf")
         greedy = logits.argmax(dim=-1).tolist()
         events = []
         for i, (request, chunk) in enumerate(zip(requests, chunks, strict=True)):
             request.computed += chunk.length
             if chunk.samples:
-                events.append(self._sample(request, logits[i], greedy[i]))
+                events.append(self._sample(request, logits[i], greedy[i], stops[i]))
         return events
 
     def run_to_completion(self) -> dict[int, list[int]]:
@@ -238,18 +250,20 @@ class RaggedScheduler:
                 outputs.setdefault(event.uid, []).append(event.token)
         return outputs
 
-    def _sample(self, request: Request, logits: torch.Tensor, greedy: int) -> TokenEvent:
-        """Draw ``request``'s next token (``greedy``: the argmax of ``logits``); finish it
-        (flush) on a stop token or its length."""
+    def _stops(self, request: Request) -> frozenset[int]:
+        """The tokens that end ``request``: its stop tokens, and end-of-sequence unless it
+        ignores it."""
+        stops = frozenset(request.params.stop_token_ids)
+        return stops if request.params.ignore_eos else stops | self.eos_token_ids
+
+    def _sample(
+        self, request: Request, logits: torch.Tensor, greedy: int, stops: frozenset[int]
+    ) -> TokenEvent:
+        """Draw ``request``'s next token from ``logits`` (its stop tokens already -inf before
+        ``min_new_tokens``; ``greedy``: their argmax); finish it (flush) on a stop token or its
+        length."""
         params = request.params
-        stops = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stops |= self.eos_token_ids
-        suppress = stops if len(request.generated) < params.min_new_tokens else ()
-        if params.do_sample or suppress:
-            token = sample(logits, params, request.generator, suppress=suppress)
-        else:
-            token = greedy
+        token = sample(logits, params, request.generator) if params.do_sample else greedy
         request.generated.append(token)
         reason: FinishReason | None = None
         if token in stops:
