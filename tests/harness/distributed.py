@@ -15,6 +15,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -61,6 +62,12 @@ def _worker(rank: int, world_size: int, port: int, backend: str, conn: Connectio
         except BaseException:  # noqa: BLE001 - every failure goes back to the test
             conn.send(("error", traceback.format_exc()))
     dist.destroy_process_group()
+    # leave without the interpreter's teardown (freeing torch's modules one by one takes a
+    # rank about a second of CPU, many seconds for a pool of ranks sharing a few cores): the
+    # rank holds nothing else to release, and its output streams are flushed here
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class DistributedPool:
@@ -116,7 +123,7 @@ class DistributedPool:
             remaining = deadline - time.monotonic()
             ready = wait(list(pending.values()), timeout=max(remaining, 0)) if remaining > 0 else []
             if not ready:
-                self.close()
+                self.close(grace_s=1.0)  # the pending ranks are stuck: no use waiting on them
                 raise TimeoutError(
                     f"{what}: ranks {sorted(pending)} did not finish within {timeout_s:.0f}s"
                     + "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in errors.items())
@@ -146,15 +153,19 @@ class DistributedPool:
             )
         return [results[r] for r in range(self.world_size)]
 
-    def close(self) -> None:
+    def close(self, grace_s: float = 5.0) -> None:
+        """Ask every rank to leave; a rank still alive ``grace_s`` later (one stuck in a
+        collective or in the test's function) is killed."""
         for conn, proc in zip(self._conns, self._procs, strict=True):
             if proc.is_alive():
                 try:
                     conn.send(None)
                 except (BrokenPipeError, OSError):
                     pass
+        deadline = time.monotonic() + grace_s  # one grace for all the ranks, not one each
         for proc in self._procs:
-            proc.join(timeout=5)
+            proc.join(timeout=max(deadline - time.monotonic(), 0))
+        for proc in self._procs:
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=5)

@@ -67,7 +67,10 @@ def test_refused_outside_stage_zero(dist_pool):
         assert "var_update_scaler" in message
 
 
-STEPS = 300
+#: 200 steps (the loss falls from 5.5 to about 1.9): the compressed optimizers end 4-5% below
+#: their references there (at 300 steps OneBitAdam ended 0.3% above Adam), and with the error
+#: feedback off every one of them fails (2.8x, 3.9x, NaN)
+STEPS = 200
 CONVERGENCE = {
     # (compressed optimizer, its params) -> the uncompressed reference on the same stream
     "OneBitAdam": ({"freeze_step": 30}, "Adam"),
@@ -83,7 +86,7 @@ def _final(losses: list[float]) -> float:
 @pytest.mark.timeout(600)
 def test_convergence_within_two_percent(dist_pool):
     pool = dist_pool(2)
-    # LAMB scales its steps by the trust ratio: it needs a larger lr to learn in 300 steps
+    # LAMB scales its steps by the trust ratio: it needs a larger lr to learn in 200 steps
     lr = {"Adam": {"lr": 3e-3, "eps": 1e-6}, "Lamb": {"lr": 2e-2, "eps": 1e-6}}
     reference = {name: _final(pool.run(train, name, lr[name], STEPS)[0]["loss"]) for name in lr}
     finals = {}

@@ -1,7 +1,11 @@
-"""ZeRO++ trains as well as plain ZeRO-3: a small GPT, 300 steps on the structured token stream,
+"""ZeRO++ trains as well as plain ZeRO-3: a small GPT, 200 steps on the structured token stream,
 4 ranks as 2 nodes of 2. hpZ alone is exact (the same losses and parameters bit for bit); each
 quantized mode ends within 2% of the uncompressed run's final loss, and differs from it (the
-mode is really on)."""
+mode is really on).
+
+200 steps (the loss falls from 5.5 to 1.9): the modes end within 0.9% of ZeRO-3 there, against
+1.4% at 300 steps, and a biased quantizer (codes rounded down) fails qgZ, qgZ+LoCo and
+hpZ+qwZ+qgZ+LoCo at 200 steps, where at 300 LoCo's error feedback has made up for it."""
 
 from __future__ import annotations
 
@@ -10,9 +14,9 @@ import torch
 
 from tests.runtime.zeropp.ranks import train
 
-STEPS = 300
+STEPS = 200
 #: the whole GPT one gather unit: one all-gather per pass and one reduce-scatter per step keep
-#: 300 steps at 4 ranks quick here (the byte tests use one unit per module)
+#: 200 steps at 4 ranks quick here (the byte tests use one unit per module)
 ONE_UNIT = {"leaf_module": {"classes": ["GPT"]}}
 HPZ = {"zero_hpz_partition_size": 2}
 QWZ = {"zero_quantized_weights": True}
