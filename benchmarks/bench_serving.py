@@ -201,6 +201,11 @@ def _figures(requests: list[Request]) -> dict[str, Any]:
     }
 
 
+def _lower_median(values: list[Any], key: Callable[[Any], float]) -> Any:
+    """The median of ``values`` by ``key`` (the lower one of an even count)."""
+    return sorted(values, key=key)[(len(values) - 1) // 2]
+
+
 def _fresh(requests: list[Request]) -> list[Request]:
     return [Request(r.arrival, r.prompt, r.new_tokens) for r in requests]
 
@@ -309,14 +314,13 @@ def main() -> None:
                 figures["vs_hf"] = round(figures["throughput_tok_s"] / hf, 3)
     results: dict[str, dict[str, Any]] = {}
     for mode, figures in rounds.items():
-        ordered = sorted(figures, key=lambda f: f["throughput_tok_s"])
-        results[mode] = dict(ordered[(len(ordered) - 1) // 2])  # the median (lower) round
+        results[mode] = dict(_lower_median(figures, key=lambda f: f["throughput_tok_s"]))
         results[mode]["throughput_rounds"] = [f["throughput_tok_s"] for f in figures]
         if "vs_hf" in figures[0]:
             ratios = [f["vs_hf"] for f in figures]
             results[mode].pop("vs_hf")
             results[mode]["vs_hf_rounds"] = [round(r, 2) for r in ratios]
-            results[mode]["throughput_vs_hf"] = round(sorted(ratios)[(len(ratios) - 1) // 2], 2)
+            results[mode]["throughput_vs_hf"] = round(_lower_median(ratios, key=float), 2)
             results[mode]["greedy_equal_hf"] = min(f["greedy_equal_hf"] for f in figures)
     print(
         json.dumps(

@@ -3,9 +3,14 @@
 A ragged batch is the flat run of new tokens of several sequences (a prefill chunk of one, a
 single decode token of another, ...), each sequence with its own number of tokens already in the
 blocked KV cache. Each layer writes the new tokens' keys/values into the cache first, then
-attends: every sequence's keys/values are gathered along its block table into a padded
-(sequences, max_context) batch and one SDPA call runs with a mask that is causal at each
-sequence's own offset and hides the padding.
+attends, per group of sequences (``RaggedBatchMetadata.parts``):
+
+* decode tokens (one per sequence, bucketed by context length): each sequence's blocks are
+  gathered whole into a padded (sequences, kv_heads, context, head_dim) batch, then two matmuls
+  and a softmax (SDPA below float32) with the padding masked;
+* fresh prompts (nothing cached): one causal SDPA call per sequence over its own new keys;
+* anything else (prompt chunks continuing a cached prefix): the same padded gather and one SDPA
+  call with a mask that is causal at each sequence's own offset and hides the padding.
 """
 
 from __future__ import annotations
@@ -157,12 +162,12 @@ class RaggedBatchMetadata:
         ``tables`` (``max_new``: the largest new count; ``fresh``: nothing seen)."""
         n_seq = new_t.numel()
         max_ctx = tables.shape[1] * block_size
-        starts = torch.cumsum(new_t, 0) - new_t
         if max_new == 1:  # one token per sequence: flat token s is sequence s
             token_seq = torch.arange(n_seq)
             token_offset = torch.zeros(n_seq, dtype=torch.int64)
             query_index = token_seq[:, None]
         else:
+            starts = torch.cumsum(new_t, 0) - new_t
             token_seq = torch.repeat_interleave(torch.arange(n_seq), new_t)
             token_offset = torch.arange(token_seq.numel()) - starts[token_seq]
             rows = torch.arange(max_new)

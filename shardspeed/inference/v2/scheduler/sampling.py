@@ -9,12 +9,12 @@ its logits only, never on what else shares its batch.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["SamplingParams", "make_generator", "sample", "warp_logits"]
+__all__ = ["SamplingParams", "make_generator", "sample", "suppress_tokens", "warp_logits"]
 
 
 class SamplingParams(BaseModel):
@@ -87,6 +87,21 @@ def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return scores
 
 
+def suppress_tokens(
+    logits: torch.Tensor, rows: Sequence[int], tokens: Sequence[int]
+) -> torch.Tensor:
+    """A copy of ``logits`` (requests, vocab) where token ``tokens[i]`` of request ``rows[i]``
+    can never be chosen (-inf): stop tokens before ``min_new_tokens``, as Hugging Face's
+    ``MinNewTokensLengthLogitsProcessor`` does, for a whole step's requests at once."""
+    out = logits.clone()
+    index = (
+        torch.as_tensor(list(rows), dtype=torch.long, device=logits.device),
+        torch.as_tensor(list(tokens), dtype=torch.long, device=logits.device),
+    )
+    out[index] = float("-inf")
+    return out
+
+
 def sample(
     logits: torch.Tensor,
     params: SamplingParams,
@@ -101,10 +116,7 @@ def sample(
         raise ValueError(f"sample takes one request's logits (vocab,), got {tuple(logits.shape)}.")
     scores = logits.float()
     if suppress:
-        scores = scores.clone()
-        scores[torch.as_tensor(list(suppress), dtype=torch.long, device=scores.device)] = float(
-            "-inf"
-        )
+        scores = suppress_tokens(scores[None], [0] * len(suppress), list(suppress))[0]
     if not params.do_sample:
         return int(torch.argmax(scores))
     probs = warp_logits(scores, params).softmax(dim=-1)

@@ -25,7 +25,12 @@ from shardspeed.inference.v2.scheduler.requests import (
     ScheduledChunk,
     TokenEvent,
 )
-from shardspeed.inference.v2.scheduler.sampling import SamplingParams, make_generator, sample
+from shardspeed.inference.v2.scheduler.sampling import (
+    SamplingParams,
+    make_generator,
+    sample,
+    suppress_tokens,
+)
 
 __all__ = ["RaggedScheduler", "SchedulableEngine"]
 
@@ -231,8 +236,7 @@ class RaggedScheduler:
                 banned_rows += [i] * len(ends)
                 banned_tokens += ends
         if banned_rows:
-            logits = logits.clone()
-            logits[banned_rows, banned_tokens] = float("-inf")
+            logits = suppress_tokens(logits, banned_rows, banned_tokens)
         greedy = logits.argmax(dim=-1).tolist()
         events = []
         for i, (request, chunk) in enumerate(zip(requests, chunks, strict=True)):
