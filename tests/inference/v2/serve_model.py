@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 WORDS = 60
+SERVED_NAME = "tiny-llama"  # the name the test server serves the checkpoint under
 MAX_POSITIONS = 512
 # "<s>" starts the conversation; each message is "ROLE: words" and the reply starts after "w0"
 CHAT_TEMPLATE = (

@@ -7,12 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import re
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -24,76 +19,11 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from tests.inference.v2.serve_model import MAX_POSITIONS, Reference, save_tiny_llama  # noqa: E402
+from tests.inference.v2.serve_model import MAX_POSITIONS, SERVED_NAME, Reference  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[3]
-NAME = "tiny-llama"
-STARTUP_S = 120.0
+NAME = SERVED_NAME
+
 PROMPTS = ["w1 w2", "w5 w9 w13 w7", "w40", "w3 w3 w3 w3 w3 w3", "w11 w12 w13", "w59 w0 w17"]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
-
-
-@pytest.fixture(scope="module")
-def reference(model_dir: Path) -> Reference:
-    return Reference(model_dir)
-
-
-def _wait_ready(proc: subprocess.Popen[str], deadline: float) -> str:
-    """The base URL once the process printed its address and /health answers 200."""
-    assert proc.stdout is not None
-    url = None
-    lines: list[str] = []
-    while url is None:
-        if time.monotonic() > deadline or proc.poll() is not None:
-            raise AssertionError(f"server did not start: {''.join(lines)}")
-        line = proc.stdout.readline()
-        lines.append(line)
-        found = re.search(r"listening on (http://\S+)", line)
-        url = found.group(1) if found else None
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
-                return url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError("server never became healthy")
-
-
-@pytest.fixture(scope="module")
-def server(model_dir: Path) -> Iterator[str]:
-    """The server as a child process on a free port; terminated and reaped at the end."""
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    cmd = [
-        sys.executable, "-m", "shardspeed.launcher.runner", "serve", "--model", str(model_dir),
-        "--port", "0", "--served-model-name", NAME, "--max-batch-tokens", "64",
-        "--kv-block-size", "8", "--kv-blocks", "64", "--log-level", "warning",
-    ]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd, cwd=str(REPO), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    try:
-        yield _wait_ready(proc, time.monotonic() + STARTUP_S)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=20)
-        assert proc.stdout is not None
-        proc.stdout.close()
-
-
-@pytest.fixture(scope="module")
-def client(server: str) -> Any:
-    return openai.OpenAI(base_url=f"{server}/v1", api_key="x", max_retries=0, timeout=60.0)
 
 
 @pytest.mark.timeout(300)
@@ -259,7 +189,8 @@ def test_malformed_requests_get_openai_errors(server: str, client: Any) -> None:
         ("completions", {**comp, "max_tokens": "2"}, None, 400, "max_tokens", "max_tokens"),
         ("completions", {**comp, "temperature": "hot"}, None, 400, "temperature", "temperature"),
         ("chat/completions", {**chat, "messages": "w1"}, None, 400, "messages", "messages"),
-        ("chat/completions", {**chat, "n": 2}, None, 400, "n", "n=2"),
+        ("chat/completions", {**chat, "n": 0}, None, 400, "n", "greater than or equal to 1"),
+        ("completions", {**comp, "prompt": [[5, 6], []]}, None, 400, "prompt", "empty"),
         ("completions", {**comp, "max_tokens": MAX_POSITIONS}, None, 400, "max_tokens", "context"),
         ("completions", {**comp, "model": "gpt-9"}, None, 404, "model", "gpt-9"),
         ("completions", {**comp, "stop": ["a", "b", "c", "d", "e"]}, None, 400, "stop", "stop"),
@@ -272,8 +203,8 @@ def test_malformed_requests_get_openai_errors(server: str, client: Any) -> None:
         assert words in error["message"], (body, error)
         assert error["type"] in ("invalid_request_error", "not_found_error")
     # the official client maps them to its exception classes
-    with pytest.raises(openai.BadRequestError, match="n=2"):
-        client.chat.completions.create(model=NAME, messages=chat["messages"], n=2)
+    with pytest.raises(openai.BadRequestError, match="less than or equal to 128"):
+        client.chat.completions.create(model=NAME, messages=chat["messages"], n=129)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="w1")
     # and the server still answers

@@ -7,6 +7,7 @@ the server keeps serving after it.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -22,13 +23,15 @@ from starlette.routing import Route
 from shardspeed.inference.v2.serving.generation import (
     Piece,
     ServingContext,
-    run_request,
+    merge_pieces,
+    run_requests,
     sampling_kwargs,
 )
 from shardspeed.inference.v2.serving.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    GenerationRequest,
     chat_chunk,
     chat_response,
     completion_chunk,
@@ -80,38 +83,51 @@ async def _collect(pieces: AsyncIterator[Piece]) -> tuple[str, str | None, int]:
     return "".join(parts), finish, count
 
 
+async def _collect_all(
+    streams: list[AsyncIterator[Piece]],
+) -> tuple[list[tuple[str, str | None]], int]:
+    """Every choice's (text, finish reason) in order, and their completion tokens in all."""
+    results = await asyncio.gather(*(_collect(stream) for stream in streams))
+    return [(text, finish) for text, finish, _ in results], sum(n for _, _, n in results)
+
+
+# chunk(index, text, finish reason, usage): one streamed chunk of choice ``index``
+_Chunk = Callable[[int, "str | None", "str | None", "dict[str, int] | None"], dict[str, Any]]
+
+
 def _stream(
-    pieces: AsyncIterator[Piece],
-    chunk: Callable[[str | None, str | None, dict[str, int] | None], dict[str, Any]],
-    prompt_len: int,
+    streams: list[AsyncIterator[Piece]],
+    chunk: _Chunk,
+    prompt_tokens: int,
     include_usage: bool,
-    first: dict[str, Any] | None = None,
+    first: list[dict[str, Any]] | None = None,
 ) -> StreamingResponse:
-    """Server-sent events: one chunk per text piece, the finish reason on the last, a usage
-    chunk when asked, then ``[DONE]``. An engine failure mid-stream becomes an error event."""
+    """Server-sent events: one chunk per text piece of any choice, each choice's finish reason
+    on its last, a usage chunk when asked, then ``[DONE]``. An engine failure mid-stream
+    becomes an error event."""
 
     async def events() -> AsyncIterator[str]:
-        count = 0
-        if first is not None:
-            yield _sse(first)
+        counts = [0] * len(streams)
+        for event in first or []:
+            yield _sse(event)
         try:
-            async for piece in pieces:
-                count = piece.completion_tokens
+            async for index, piece in merge_pieces(streams):
+                counts[index] = piece.completion_tokens
                 if piece.text or piece.finish_reason:
-                    yield _sse(chunk(piece.text, piece.finish_reason, None))
+                    yield _sse(chunk(index, piece.text, piece.finish_reason, None))
         except Exception as exc:  # noqa: BLE001 - reported to the client, then logged
             logger.exception("serving: generation failed")
             yield _sse(error_body(str(exc), "server_error", None, None))
             return
         if include_usage:
-            yield _sse(chunk(None, None, usage(prompt_len, count)))
+            yield _sse(chunk(0, None, None, usage(prompt_tokens, sum(counts))))
         yield _sse("[DONE]")
 
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
-def _prompt_ids(context: ServingContext, prompt: str | list[int] | list[str]) -> list[int]:
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+def _prompt_ids(context: ServingContext, prompt: str | list[int]) -> list[int]:
+    if isinstance(prompt, list):
         vocab = len(context.tokenizer)
         bad = [t for t in prompt if not 0 <= int(t) < vocab]
         if bad:
@@ -119,11 +135,29 @@ def _prompt_ids(context: ServingContext, prompt: str | list[int] | list[str]) ->
                 f"prompt: token ids {bad[:4]} are outside the vocabulary", param="prompt"
             )
         return [int(t) for t in prompt]
-    text = prompt[0] if isinstance(prompt, list) else prompt
-    ids = list(context.tokenizer(str(text))["input_ids"])
+    ids = list(context.tokenizer(str(prompt))["input_ids"])
     if not ids:
         raise APIError("prompt: the prompt has no tokens", param="prompt")
     return ids
+
+
+def _jobs(
+    context: ServingContext,
+    body: GenerationRequest,
+    prompts: list[list[int]],
+    limit: int | None,
+    field: str,
+) -> list[tuple[list[int], Any]]:
+    """(prompt ids, sampling params) of every choice: ``body.n`` per prompt, prompt by prompt.
+    With a seed, choice ``j`` of a prompt samples with seed + j (as vLLM), so the ``n``
+    choices differ and each repeats."""
+    jobs = []
+    for ids in prompts:
+        kwargs = sampling_kwargs(body, limit, len(ids), context.max_context, field)
+        for j in range(body.n):
+            seed = None if body.seed is None else body.seed + j
+            jobs.append((ids, context.params_factory(**{**kwargs, "seed": seed})))
+    return jobs
 
 
 def _chat_ids(context: ServingContext, request: ChatCompletionRequest) -> list[int]:
@@ -150,41 +184,43 @@ def build_app(context: ServingContext) -> Starlette:
     async def completions(request: Request) -> Response:
         body: CompletionRequest = await _parse(request, CompletionRequest)
         context.check_model(body.model)
-        ids = _prompt_ids(context, body.prompt)
-        kwargs = sampling_kwargs(body, body.max_tokens, len(ids), context.max_context, "prompt")
-        pieces = run_request(context, ids, context.params_factory(**kwargs), body.stop_strings())
+        prompts = [_prompt_ids(context, prompt) for prompt in body.prompt_list()]
+        jobs = _jobs(context, body, prompts, body.max_tokens, "prompt")
+        streams = run_requests(context, jobs, body.stop_strings())
         rid = new_id("cmpl")
+        # each prompt is counted once, whatever n (as OpenAI's usage)
+        prompt_tokens = sum(len(ids) for ids in prompts)
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)
 
-            def chunk(text: str | None, finish: str | None, counts: Any) -> dict[str, Any]:
-                return completion_chunk(rid, body.model, text, finish, counts)
+            def chunk(index: int, text: str | None, finish: str | None, counts: Any) -> Any:
+                return completion_chunk(rid, body.model, index, text, finish, counts)
 
-            return _stream(pieces, chunk, len(ids), include)
-        text, finish, count = await _collect(pieces)
+            return _stream(streams, chunk, prompt_tokens, include)
+        choices, count = await _collect_all(streams)
         return JSONResponse(
-            completion_response(rid, body.model, text, finish, usage(len(ids), count))
+            completion_response(rid, body.model, choices, usage(prompt_tokens, count))
         )
 
     async def chat(request: Request) -> Response:
         body: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
         context.check_model(body.model)
         ids = _chat_ids(context, body)
-        limit = body.token_limit()
-        kwargs = sampling_kwargs(body, limit, len(ids), context.max_context, "messages")
-        pieces = run_request(context, ids, context.params_factory(**kwargs), body.stop_strings())
+        jobs = _jobs(context, body, [ids], body.token_limit(), "messages")
+        streams = run_requests(context, jobs, body.stop_strings())
         rid = new_id("chatcmpl")
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)
 
-            def chunk(text: str | None, finish: str | None, counts: Any) -> dict[str, Any]:
+            def chunk(index: int, text: str | None, finish: str | None, counts: Any) -> Any:
                 delta = None if text is None else ({"content": text} if text else {})
-                return chat_chunk(rid, body.model, delta, finish, counts)
+                return chat_chunk(rid, body.model, index, delta, finish, counts)
 
-            first = chat_chunk(rid, body.model, {"role": "assistant", "content": ""}, None, None)
-            return _stream(pieces, chunk, len(ids), include, first)
-        text, finish, count = await _collect(pieces)
-        return JSONResponse(chat_response(rid, body.model, text, finish, usage(len(ids), count)))
+            opening = {"role": "assistant", "content": ""}
+            first = [chat_chunk(rid, body.model, i, opening, None, None) for i in range(body.n)]
+            return _stream(streams, chunk, len(ids), include, first)
+        choices, count = await _collect_all(streams)
+        return JSONResponse(chat_response(rid, body.model, choices, usage(len(ids), count)))
 
     async def models(request: Request) -> Response:
         card = {

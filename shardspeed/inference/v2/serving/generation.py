@@ -9,6 +9,7 @@ token events (``token``, ``finished``, ``finish_reason``) are read with ``async 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -16,7 +17,15 @@ from typing import Any, Protocol
 from shardspeed.inference.v2.serving.detokenizer import TextAssembler
 from shardspeed.inference.v2.serving.protocol import APIError, GenerationRequest
 
-__all__ = ["GenerationBackend", "Piece", "ServingContext", "run_request", "sampling_kwargs"]
+__all__ = [
+    "GenerationBackend",
+    "Piece",
+    "ServingContext",
+    "merge_pieces",
+    "run_request",
+    "run_requests",
+    "sampling_kwargs",
+]
 
 
 class GenerationBackend(Protocol):
@@ -105,11 +114,59 @@ def run_request(
 ) -> AsyncIterator[Piece]:
     """Submit one request now (so a refusal is an error before any response starts) and
     return the async iterator of its text pieces."""
+    return run_requests(context, [(prompt_ids, params)], stops)[0]
+
+
+def run_requests(
+    context: ServingContext, jobs: list[tuple[list[int], Any]], stops: list[str]
+) -> list[AsyncIterator[Piece]]:
+    """Submit every (prompt ids, params) job now, the async iterators of their text pieces in
+    order. When the engine refuses one, those already submitted are aborted and the refusal is
+    the error: a response has all its choices or none."""
+    handles: list[Any] = []
     try:
-        handle = context.backend.submit(prompt_ids, params)
+        for prompt_ids, params in jobs:
+            handles.append(context.backend.submit(prompt_ids, params))
     except ValueError as exc:  # the scheduler refuses a request that can never fit
+        for handle in handles:
+            _abort(context.backend, handle.uid)
         raise APIError(str(exc), param="max_tokens") from exc
-    return _pieces(context, handle, stops)
+    return [_pieces(context, handle, stops) for handle in handles]
+
+
+async def merge_pieces(streams: list[AsyncIterator[Piece]]) -> AsyncIterator[tuple[int, Piece]]:
+    """(index, piece) of every stream as each piece comes, whichever stream it is from. Leaving
+    early (or an error in one) closes every stream, which aborts their requests."""
+    if len(streams) == 1:
+        async for piece in streams[0]:
+            yield 0, piece
+        return
+    queue: asyncio.Queue[tuple[int, Piece | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[Piece]) -> None:
+        try:
+            async for piece in stream:
+                queue.put_nowait((index, piece))
+        except Exception as exc:  # noqa: BLE001 - handed to the reader, which raises it
+            queue.put_nowait((index, exc))
+        finally:
+            queue.put_nowait((index, None))
+
+    tasks = [asyncio.ensure_future(pump(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            index, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()  # a stream cancelled mid-read closes, aborting its request
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _pieces(context: ServingContext, handle: Any, stops: list[str]) -> AsyncIterator[Piece]:

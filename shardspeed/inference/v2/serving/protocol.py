@@ -76,7 +76,7 @@ class GenerationRequest(_Strict):
     model: str
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = 1
+    n: int = Field(1, ge=1, le=128)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -89,13 +89,6 @@ class GenerationRequest(_Strict):
     top_k: int = Field(0, ge=0)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError(f"n={value} is not supported: this server returns one choice (n=1)")
-        return value
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
@@ -125,9 +118,10 @@ class GenerationRequest(_Strict):
 
 
 class CompletionRequest(GenerationRequest):
-    """``POST /v1/completions``: one prompt (text, or token ids)."""
+    """``POST /v1/completions``: a prompt (text, or token ids) or a list of them; ``n``
+    choices for each, prompt ``i``'s choices at indices ``i * n .. i * n + n - 1``."""
 
-    prompt: str | list[int] | list[str]
+    prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
     logprobs: int | None = None
@@ -136,12 +130,23 @@ class CompletionRequest(GenerationRequest):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, value: str | list[int] | list[str]) -> str | list[int] | list[str]:
+    def _prompts(
+        cls, value: str | list[int] | list[str] | list[list[int]]
+    ) -> str | list[int] | list[str] | list[list[int]]:
         if isinstance(value, list) and not value:
             raise ValueError("prompt is empty")
-        if isinstance(value, list) and isinstance(value[0], str) and len(value) != 1:
-            raise ValueError("one prompt per request: send a string, not a list of prompts")
+        if isinstance(value, list) and any(isinstance(p, list) and not p for p in value):
+            raise ValueError("a prompt of token ids is empty")
         return value
+
+    def prompt_list(self) -> list[str | list[int]]:
+        """``prompt`` as a list of prompts, each a string or a list of token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if isinstance(prompt[0], int):
+            return [[int(t) for t in prompt]]  # type: ignore[union-attr]
+        return list(prompt)  # type: ignore[arg-type]
 
     @field_validator("echo", "logprobs", "suffix")
     @classmethod
@@ -217,28 +222,36 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def completion_response(
-    rid: str, model: str, text: str, finish: str | None, counts: dict[str, int]
+    rid: str, model: str, choices: list[tuple[str, str | None]], counts: dict[str, int]
 ) -> dict[str, Any]:
-    """A whole ``text_completion`` body."""
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    """A whole ``text_completion`` body; ``choices``: (text, finish reason) by index."""
     return {
         "id": rid,
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [choice],
+        "choices": [
+            {"index": i, "text": text, "logprobs": None, "finish_reason": finish}
+            for i, (text, finish) in enumerate(choices)
+        ],
         "usage": counts,
     }
 
 
 def completion_chunk(
-    rid: str, model: str, text: str | None, finish: str | None, counts: dict[str, int] | None
+    rid: str,
+    model: str,
+    index: int,
+    text: str | None,
+    finish: str | None,
+    counts: dict[str, int] | None,
 ) -> dict[str, Any]:
-    """One streamed ``text_completion`` chunk; ``text=None`` is the usage-only last chunk."""
+    """One streamed ``text_completion`` chunk of choice ``index``; ``text=None`` is the
+    usage-only last chunk."""
     choices = (
         []
         if text is None
-        else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
+        else [{"index": index, "text": text, "logprobs": None, "finish_reason": finish}]
     )
     return {
         "id": rid,
@@ -251,17 +264,23 @@ def completion_chunk(
 
 
 def chat_response(
-    rid: str, model: str, text: str, finish: str | None, counts: dict[str, int]
+    rid: str, model: str, choices: list[tuple[str, str | None]], counts: dict[str, int]
 ) -> dict[str, Any]:
-    """A whole ``chat.completion`` body."""
-    message = {"role": "assistant", "content": text}
-    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+    """A whole ``chat.completion`` body; ``choices``: (text, finish reason) by index."""
     return {
         "id": rid,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [choice],
+        "choices": [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish,
+            }
+            for i, (text, finish) in enumerate(choices)
+        ],
         "usage": counts,
     }
 
@@ -269,15 +288,17 @@ def chat_response(
 def chat_chunk(
     rid: str,
     model: str,
+    index: int,
     delta: dict[str, str] | None,
     finish: str | None,
     counts: dict[str, int] | None,
 ) -> dict[str, Any]:
-    """One streamed ``chat.completion.chunk``; ``delta=None`` is the usage-only last chunk."""
+    """One streamed ``chat.completion.chunk`` of choice ``index``; ``delta=None`` is the
+    usage-only last chunk."""
     choices = (
         []
         if delta is None
-        else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+        else [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}]
     )
     return {
         "id": rid,
