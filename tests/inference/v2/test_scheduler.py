@@ -200,3 +200,40 @@ def test_real_engine_too_big_and_abort() -> None:
         sched.step()
     assert engine.free_blocks < 6 and engine.tracked(uid)
     assert sched.abort(uid) and not engine.tracked(uid) and engine.free_blocks == 6
+
+
+def test_logprobs_are_the_models_raw_log_softmax() -> None:
+    """A request asking for logprobs gets, per token, the log-softmax of Hugging Face's own
+    logits at that position (raw: before temperature and the min_new_tokens ban) and the k most
+    likely tokens in order; its batch-mates asking nothing get none, and tokens are unchanged."""
+    model = _model()
+    prompts = [hf_models.tokens(n, seed=40 + n).tolist() for n in (5, 17, 9)]
+    asks = [
+        SamplingParams(max_new_tokens=6, logprobs=3),
+        SamplingParams(max_new_tokens=6),
+        SamplingParams(max_new_tokens=6, logprobs=0, temperature=0.5, do_sample=True, seed=3),
+    ]
+    sched = RaggedScheduler(_engine(), token_budget=16)
+    uids = [sched.add_request(p, a) for p, a in zip(prompts, asks, strict=True)]
+    events: dict[int, list] = {u: [] for u in uids}
+    while sched.has_work:
+        for event in sched.step():
+            events[event.uid].append(event)
+    plain = [e.token for e in events[uids[1]]]
+    assert all(e.logprob is None and e.top_logprobs == () for e in events[uids[1]])
+    assert plain == _alone(prompts[1], asks[1])
+    for uid, prompt, ask in ((uids[0], prompts[0], asks[0]), (uids[2], prompts[2], asks[2])):
+        got = events[uid]
+        tokens = [e.token for e in got]
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + tokens])).logits[0].float()
+        want = logits[len(prompt) - 1 : -1].log_softmax(dim=-1)
+        for step, event in enumerate(got):
+            assert event.logprob == pytest.approx(float(want[step, event.token]), abs=1e-4)
+            assert len(event.top_logprobs) == ask.logprobs
+            values, ids = want[step].topk(ask.logprobs) if ask.logprobs else (want[:0, 0],) * 2
+            assert [t for t, _ in event.top_logprobs] == ids.tolist()
+            for (_, v), w in zip(event.top_logprobs, values.tolist(), strict=True):
+                assert v == pytest.approx(w, abs=1e-4)
+        if not ask.do_sample:  # greedy: the drawn token is the most likely one
+            assert all(e.token == e.top_logprobs[0][0] for e in got)

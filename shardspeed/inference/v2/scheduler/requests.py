@@ -17,12 +17,17 @@ FinishReason = Literal["stop", "length"]
 @dataclass(frozen=True)
 class TokenEvent:
     """One generated token of request ``uid``; ``finished`` on its last token, with the reason
-    ("stop": a stop/end-of-sequence token, included as ``token``; "length": max_new_tokens)."""
+    ("stop": a stop/end-of-sequence token, included as ``token``; "length": max_new_tokens).
+    When the request asked for ``logprobs``: ``logprob``, the token's log-probability, and
+    ``top_logprobs``, the (token, log-probability) of the most likely tokens, most likely
+    first."""
 
     uid: int
     token: int
     finished: bool
     finish_reason: FinishReason | None = None
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,9 @@ class SamplingParams(BaseModel):
     drawn before ``min_new_tokens`` tokens exist. ``do_sample=False`` is greedy; otherwise
     ``temperature``, ``top_k`` (0: off) and ``top_p`` (1.0: off) shape the distribution and
     ``seed`` (None: drawn from torch's global generator) seeds the request's own generator.
+    ``logprobs`` (None: off) reports each generated token's log-probability and that many of
+    the most likely tokens with theirs, from the model's raw distribution (before temperature,
+    top-k/top-p and stop-token suppression, as vLLM's default).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -39,6 +42,7 @@ class SamplingParams(BaseModel):
     seed: int | None = None
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=20)
 
     @model_validator(mode="after")
     def _check_lengths(self) -> SamplingParams:

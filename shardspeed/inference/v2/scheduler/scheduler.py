@@ -13,8 +13,9 @@ are those of an unpreempted run.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -224,6 +225,7 @@ class RaggedScheduler:
         logits = logits.detach().float().cpu()
         self.num_steps += 1
         self.last_step = chunks
+        scored = _logprobs(logits, requests, chunks)
         # stop tokens before min_new_tokens made -inf, then every greedy pick of the step in
         # one argmax (sampled requests draw from their own row)
         stops: list[frozenset[int]] = []
@@ -242,7 +244,10 @@ class RaggedScheduler:
         for i, (request, chunk) in enumerate(zip(requests, chunks, strict=True)):
             request.computed += chunk.length
             if chunk.samples:
-                events.append(self._sample(request, logits[i], greedy[i], stops[i]))
+                event = self._sample(request, logits[i], greedy[i], stops[i])
+                if i in scored:
+                    event = scored[i](event)
+                events.append(event)
         return events
 
     def run_to_completion(self) -> dict[int, list[int]]:
@@ -337,6 +342,36 @@ class RaggedScheduler:
         request.preemptions += 1
         self.num_preemptions += 1
         self._waiting.appendleft(request)
+
+
+def _logprobs(
+    logits: torch.Tensor, requests: list[Request], chunks: list[ScheduledChunk]
+) -> dict[int, Callable[[TokenEvent], TokenEvent]]:
+    """For each row whose request asked for ``logprobs`` and samples this step: a function
+    adding the drawn token's log-probability and the top ones to its event (one log-softmax
+    and one top-k over those rows of the raw logits)."""
+    rows = [
+        i
+        for i, (r, c) in enumerate(zip(requests, chunks, strict=True))
+        if c.samples and r.params.logprobs is not None
+    ]
+    if not rows:
+        return {}
+    scores = logits[rows].float().log_softmax(dim=-1)
+    most = max(int(requests[i].params.logprobs or 0) for i in rows)
+    top_values, top_ids = scores.topk(most, dim=-1) if most else (scores[:, :0], scores[:, :0])
+    top = list(zip(top_ids.tolist(), top_values.tolist(), strict=True))
+
+    def adder(j: int, k: int) -> Callable[[TokenEvent], TokenEvent]:
+        def add(event: TokenEvent) -> TokenEvent:
+            ids, values = top[j]
+            pairs = tuple((int(t), float(v)) for t, v in zip(ids[:k], values[:k], strict=True))
+            logprob = float(scores[j, event.token])
+            return dataclasses.replace(event, logprob=logprob, top_logprobs=pairs)
+
+        return add
+
+    return {i: adder(j, int(requests[i].params.logprobs or 0)) for j, i in enumerate(rows)}
 
 
 class _Batch:

@@ -30,11 +30,14 @@ from shardspeed.inference.v2.serving.generation import (
 from shardspeed.inference.v2.serving.protocol import (
     APIError,
     ChatCompletionRequest,
+    Choice,
     CompletionRequest,
     GenerationRequest,
     chat_chunk,
+    chat_logprobs,
     chat_response,
     completion_chunk,
+    completion_logprobs,
     completion_response,
     error_body,
     new_id,
@@ -73,26 +76,34 @@ def _sse(payload: dict[str, Any] | str) -> str:
     return f"data: {data}\n\n"
 
 
-async def _collect(pieces: AsyncIterator[Piece]) -> tuple[str, str | None, int]:
+async def _collect(pieces: AsyncIterator[Piece]) -> tuple[str, str | None, int, list[Any]]:
+    """One choice's whole text, finish reason, completion tokens and token events."""
     parts: list[str] = []
+    events: list[Any] = []
     finish: str | None = None
     count = 0
     async for piece in pieces:
         parts.append(piece.text)
+        events += piece.tokens
         finish, count = piece.finish_reason or finish, piece.completion_tokens
-    return "".join(parts), finish, count
+    return "".join(parts), finish, count, events
 
 
 async def _collect_all(
-    streams: list[AsyncIterator[Piece]],
-) -> tuple[list[tuple[str, str | None]], int]:
-    """Every choice's (text, finish reason) in order, and their completion tokens in all."""
+    streams: list[AsyncIterator[Piece]], logprobs: Callable[[list[Any]], dict[str, Any]] | None
+) -> tuple[list[Choice], int]:
+    """Every choice in order (its logprobs object made by ``logprobs`` when asked) and their
+    completion tokens in all."""
     results = await asyncio.gather(*(_collect(stream) for stream in streams))
-    return [(text, finish) for text, finish, _ in results], sum(n for _, _, n in results)
+    choices: list[Choice] = [
+        (text, finish, logprobs(events) if logprobs else None)
+        for text, finish, _, events in results
+    ]
+    return choices, sum(r[2] for r in results)
 
 
-# chunk(index, text, finish reason, usage): one streamed chunk of choice ``index``
-_Chunk = Callable[[int, "str | None", "str | None", "dict[str, int] | None"], dict[str, Any]]
+# chunk(index, piece or None for the usage-only chunk, usage): one streamed chunk
+_Chunk = Callable[[int, "Piece | None", "dict[str, int] | None"], dict[str, Any]]
 
 
 def _stream(
@@ -114,13 +125,13 @@ def _stream(
             async for index, piece in merge_pieces(streams):
                 counts[index] = piece.completion_tokens
                 if piece.text or piece.finish_reason:
-                    yield _sse(chunk(index, piece.text, piece.finish_reason, None))
+                    yield _sse(chunk(index, piece, None))
         except Exception as exc:  # noqa: BLE001 - reported to the client, then logged
             logger.exception("serving: generation failed")
             yield _sse(error_body(str(exc), "server_error", None, None))
             return
         if include_usage:
-            yield _sse(chunk(0, None, None, usage(prompt_tokens, sum(counts))))
+            yield _sse(chunk(0, None, usage(prompt_tokens, sum(counts))))
         yield _sse("[DONE]")
 
     return StreamingResponse(events(), media_type="text/event-stream")
@@ -147,17 +158,27 @@ def _jobs(
     prompts: list[list[int]],
     limit: int | None,
     field: str,
+    logprobs: int | None,
 ) -> list[tuple[list[int], Any]]:
     """(prompt ids, sampling params) of every choice: ``body.n`` per prompt, prompt by prompt.
     With a seed, choice ``j`` of a prompt samples with seed + j (as vLLM), so the ``n``
     choices differ and each repeats."""
     jobs = []
     for ids in prompts:
-        kwargs = sampling_kwargs(body, limit, len(ids), context.max_context, field)
+        kwargs = sampling_kwargs(body, limit, len(ids), context.max_context, field, logprobs)
         for j in range(body.n):
             seed = None if body.seed is None else body.seed + j
             jobs.append((ids, context.params_factory(**{**kwargs, "seed": seed})))
     return jobs
+
+
+def _token_text(context: ServingContext) -> Callable[[int], str]:
+    """A token's own text, as its logprobs entries show it."""
+
+    def text(token: int) -> str:
+        return str(context.tokenizer.decode([token]))
+
+    return text
 
 
 def _chat_ids(context: ServingContext, request: ChatCompletionRequest) -> list[int]:
@@ -185,19 +206,34 @@ def build_app(context: ServingContext) -> Starlette:
         body: CompletionRequest = await _parse(request, CompletionRequest)
         context.check_model(body.model)
         prompts = [_prompt_ids(context, prompt) for prompt in body.prompt_list()]
-        jobs = _jobs(context, body, prompts, body.max_tokens, "prompt")
+        jobs = _jobs(context, body, prompts, body.max_tokens, "prompt", body.logprobs)
         streams = run_requests(context, jobs, body.stop_strings())
         rid = new_id("cmpl")
         # each prompt is counted once, whatever n (as OpenAI's usage)
         prompt_tokens = sum(len(ids) for ids in prompts)
+        token_text = _token_text(context)
+        wants_logprobs = body.logprobs is not None
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)
+            offsets = [0] * len(streams)  # each choice's text so far, for text_offset
 
-            def chunk(index: int, text: str | None, finish: str | None, counts: Any) -> Any:
-                return completion_chunk(rid, body.model, index, text, finish, counts)
+            def chunk(index: int, piece: Piece | None, counts: Any) -> dict[str, Any]:
+                if piece is None:
+                    return completion_chunk(rid, body.model, 0, None, None, counts)
+                logprobs = None
+                if wants_logprobs:
+                    logprobs = completion_logprobs(piece.tokens, token_text, offsets[index])
+                    offsets[index] += sum(len(t) for t in logprobs["tokens"])
+                return completion_chunk(
+                    rid, body.model, index, piece.text, piece.finish_reason, None, logprobs
+                )
 
             return _stream(streams, chunk, prompt_tokens, include)
-        choices, count = await _collect_all(streams)
+
+        def whole(events: list[Any]) -> dict[str, Any]:
+            return completion_logprobs(events, token_text, 0)
+
+        choices, count = await _collect_all(streams, whole if wants_logprobs else None)
         return JSONResponse(
             completion_response(rid, body.model, choices, usage(prompt_tokens, count))
         )
@@ -206,20 +242,30 @@ def build_app(context: ServingContext) -> Starlette:
         body: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
         context.check_model(body.model)
         ids = _chat_ids(context, body)
-        jobs = _jobs(context, body, [ids], body.token_limit(), "messages")
+        logprob_count = body.logprob_count()
+        jobs = _jobs(context, body, [ids], body.token_limit(), "messages", logprob_count)
         streams = run_requests(context, jobs, body.stop_strings())
         rid = new_id("chatcmpl")
+        token_text = _token_text(context)
+
+        def logprobs(events: list[Any]) -> dict[str, Any]:
+            return chat_logprobs(events, token_text)
+
+        wants = logprobs if logprob_count is not None else None
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)
 
-            def chunk(index: int, text: str | None, finish: str | None, counts: Any) -> Any:
-                delta = None if text is None else ({"content": text} if text else {})
-                return chat_chunk(rid, body.model, index, delta, finish, counts)
+            def chunk(index: int, piece: Piece | None, counts: Any) -> dict[str, Any]:
+                if piece is None:
+                    return chat_chunk(rid, body.model, 0, None, None, counts)
+                delta = {"content": piece.text} if piece.text else {}
+                found = wants(piece.tokens) if wants else None
+                return chat_chunk(rid, body.model, index, delta, piece.finish_reason, None, found)
 
             opening = {"role": "assistant", "content": ""}
             first = [chat_chunk(rid, body.model, i, opening, None, None) for i in range(body.n)]
             return _stream(streams, chunk, len(ids), include, first)
-        choices, count = await _collect_all(streams)
+        choices, count = await _collect_all(streams, wants)
         return JSONResponse(chat_response(rid, body.model, choices, usage(len(ids), count)))
 
     async def models(request: Request) -> Response:

@@ -61,18 +61,27 @@ class ServingContext:
 
 @dataclass
 class Piece:
-    """A piece of generated text; ``finish_reason`` is set on the last one."""
+    """A piece of generated text; ``finish_reason`` is set on the last one. ``tokens``: the
+    engine's events of the tokens read since the previous piece (their log-probabilities when
+    the request asked for them)."""
 
     text: str
     finish_reason: str | None
     completion_tokens: int
+    tokens: list[Any] = field(default_factory=list)
 
 
 def sampling_kwargs(
-    request: GenerationRequest, limit: int | None, prompt_len: int, max_context: int, field: str
+    request: GenerationRequest,
+    limit: int | None,
+    prompt_len: int,
+    max_context: int,
+    field: str,
+    logprobs: int | None = None,
 ) -> dict[str, Any]:
     """``SamplingParams`` keyword arguments for ``request``; ``limit`` is its ``max_tokens``
-    (None: the rest of the context). ``field`` names the prompt's field in errors."""
+    (None: the rest of the context); ``logprobs``: how many top tokens to report per token
+    (None: none). ``field`` names the prompt's field in errors."""
     room = max_context - prompt_len
     if room < 1:
         raise APIError(
@@ -99,6 +108,7 @@ def sampling_kwargs(
         "do_sample": not greedy,
         "seed": request.seed,
         "ignore_eos": request.ignore_eos,
+        "logprobs": logprobs,
     }
 
 
@@ -175,22 +185,25 @@ async def _pieces(context: ServingContext, handle: Any, stops: list[str]) -> Asy
     text = TextAssembler(context.tokenizer, stops)
     count = 0
     done = False
+    read: list[Any] = []  # token events since the last piece
     try:
         async for event in handle:
             count += 1
+            read.append(event)
             last = bool(event.finished)
             out, stopped = text.add(int(event.token), last)
             if stopped:
-                yield Piece(out, "stop", count)
+                yield Piece(out, "stop", count, read)
                 return  # ``done`` stays False: the engine is still generating it
             if last:
                 done = True
-                yield Piece(out, event.finish_reason or "stop", count)
+                yield Piece(out, event.finish_reason or "stop", count, read)
                 return
             if out:
-                yield Piece(out, None, count)
+                yield Piece(out, None, count, read)
+                read = []
         done = True  # the handle ended without a finished event (aborted elsewhere)
-        yield Piece("", "abort", count)
+        yield Piece("", "abort", count, read)
     finally:
         if not done:
             _abort(context.backend, handle.uid)

@@ -12,20 +12,24 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 __all__ = [
     "APIError",
+    "Choice",
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
     "GenerationRequest",
     "StreamOptions",
     "chat_chunk",
+    "chat_logprobs",
     "chat_response",
     "completion_chunk",
+    "completion_logprobs",
     "completion_response",
     "error_body",
     "new_id",
@@ -124,7 +128,7 @@ class CompletionRequest(GenerationRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=20)
     best_of: int | None = None
     suffix: str | None = None
 
@@ -148,7 +152,7 @@ class CompletionRequest(GenerationRequest):
             return [[int(t) for t in prompt]]  # type: ignore[union-attr]
         return list(prompt)  # type: ignore[arg-type]
 
-    @field_validator("echo", "logprobs", "suffix")
+    @field_validator("echo", "suffix")
     @classmethod
     def _unset(cls, value: Any, info: ValidationInfo) -> Any:
         if value:
@@ -193,14 +197,26 @@ class ChatCompletionRequest(GenerationRequest):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
 
-    @field_validator("logprobs", "tools")
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return value
+
+    @field_validator("tools")
     @classmethod
     def _unset(cls, value: Any, info: ValidationInfo) -> Any:
         if value:
             raise ValueError(f"{info.field_name} is not supported: leave it unset")
         return value
+
+    def logprob_count(self) -> int | None:
+        """How many top tokens each generated token reports (None: no logprobs)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def token_limit(self) -> int | None:
         """``max_completion_tokens`` (the newer name) or ``max_tokens``."""
@@ -221,18 +237,65 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def completion_response(
-    rid: str, model: str, choices: list[tuple[str, str | None]], counts: dict[str, int]
+# (text, finish reason, logprobs object or None) of one choice
+Choice = tuple[str, "str | None", "dict[str, Any] | None"]
+
+
+def completion_logprobs(
+    events: list[Any], token_text: Callable[[int], str], offset: int
 ) -> dict[str, Any]:
-    """A whole ``text_completion`` body; ``choices``: (text, finish reason) by index."""
+    """The legacy completions ``logprobs`` object of ``events`` (token events carrying
+    ``logprob`` and ``top_logprobs``), the first token's text at character ``offset``: each
+    token's text, log-probability, its top tokens and the sampled one, and text offset."""
+    tokens, values, tops, offsets = [], [], [], []
+    for event in events:
+        text = token_text(event.token)
+        tokens.append(text)
+        values.append(event.logprob)
+        top = {token_text(t): v for t, v in event.top_logprobs}
+        top.setdefault(text, event.logprob)  # the sampled token always has its entry
+        tops.append(top)
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": values,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(events: list[Any], token_text: Callable[[int], str]) -> dict[str, Any]:
+    """The chat ``logprobs`` object of ``events``: per token its text, log-probability, UTF-8
+    bytes and top tokens."""
+
+    def entry(token: int, logprob: float | None) -> dict[str, Any]:
+        text = token_text(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {
+        "content": [
+            {
+                **entry(e.token, e.logprob),
+                "top_logprobs": [entry(t, v) for t, v in e.top_logprobs],
+            }
+            for e in events
+        ]
+    }
+
+
+def completion_response(
+    rid: str, model: str, choices: list[Choice], counts: dict[str, int]
+) -> dict[str, Any]:
+    """A whole ``text_completion`` body; ``choices`` by index."""
     return {
         "id": rid,
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
         "choices": [
-            {"index": i, "text": text, "logprobs": None, "finish_reason": finish}
-            for i, (text, finish) in enumerate(choices)
+            {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            for i, (text, finish, logprobs) in enumerate(choices)
         ],
         "usage": counts,
     }
@@ -245,13 +308,14 @@ def completion_chunk(
     text: str | None,
     finish: str | None,
     counts: dict[str, int] | None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One streamed ``text_completion`` chunk of choice ``index``; ``text=None`` is the
     usage-only last chunk."""
     choices = (
         []
         if text is None
-        else [{"index": index, "text": text, "logprobs": None, "finish_reason": finish}]
+        else [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]
     )
     return {
         "id": rid,
@@ -264,9 +328,9 @@ def completion_chunk(
 
 
 def chat_response(
-    rid: str, model: str, choices: list[tuple[str, str | None]], counts: dict[str, int]
+    rid: str, model: str, choices: list[Choice], counts: dict[str, int]
 ) -> dict[str, Any]:
-    """A whole ``chat.completion`` body; ``choices``: (text, finish reason) by index."""
+    """A whole ``chat.completion`` body; ``choices`` by index."""
     return {
         "id": rid,
         "object": "chat.completion",
@@ -276,10 +340,10 @@ def chat_response(
             {
                 "index": i,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": finish,
             }
-            for i, (text, finish) in enumerate(choices)
+            for i, (text, finish, logprobs) in enumerate(choices)
         ],
         "usage": counts,
     }
@@ -292,13 +356,14 @@ def chat_chunk(
     delta: dict[str, str] | None,
     finish: str | None,
     counts: dict[str, int] | None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One streamed ``chat.completion.chunk`` of choice ``index``; ``delta=None`` is the
     usage-only last chunk."""
     choices = (
         []
         if delta is None
-        else [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}]
+        else [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]
     )
     return {
         "id": rid,
