@@ -4,6 +4,11 @@ tests compare against."""
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -84,3 +89,65 @@ class Reference:
     def text(self, ids: list[int], max_new_tokens: int) -> str:
         new = self.generate_ids(ids, max_new_tokens)
         return str(self.tokenizer.decode(new, skip_special_tokens=True))
+
+
+REPO = Path(__file__).resolve().parents[3]
+STARTUP_S = 120.0
+
+
+def start_server(model_dir: Path, *extra: str) -> tuple[subprocess.Popen[str], str]:
+    """``shardspeed serve`` on ``model_dir`` as a child process on a free port (small KV cache
+    and batch; ``extra`` flags added), and its base URL once ``/health`` answers."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    cmd = [
+        sys.executable, "-m", "shardspeed.launcher.runner", "serve", "--model", str(model_dir),
+        "--port", "0", "--served-model-name", SERVED_NAME, "--max-batch-tokens", "64",
+        "--kv-block-size", "8", "--kv-blocks", "64", "--log-level", "warning", *extra,
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, cwd=str(REPO), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        return proc, _wait_ready(proc, time.monotonic() + STARTUP_S)
+    except BaseException:
+        stop_server(proc)
+        raise
+
+
+def stop_server(proc: subprocess.Popen[str]) -> int:
+    """SIGTERM the server, reap it (SIGKILL after 20 s) and return its exit code."""
+    proc.terminate()
+    try:
+        code = proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        code = proc.wait(timeout=20)
+    if proc.stdout is not None:
+        proc.stdout.close()
+    return code
+
+
+def _wait_ready(proc: subprocess.Popen[str], deadline: float) -> str:
+    """The base URL once the process printed its address and /health answers 200."""
+    import httpx
+
+    assert proc.stdout is not None
+    url = None
+    lines: list[str] = []
+    while url is None:
+        if time.monotonic() > deadline or proc.poll() is not None:
+            raise AssertionError(f"server did not start: {''.join(lines)}")
+        line = proc.stdout.readline()
+        lines.append(line)
+        found = re.search(r"listening on (http://\S+)", line)
+        url = found.group(1) if found else None
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                return url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("server never became healthy")

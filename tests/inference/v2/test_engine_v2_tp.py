@@ -19,3 +19,16 @@ def test_tp2_matches_tp1(dist_pool):
             assert figures["tokens_equal"], (family, figures)
             # each rank's cache holds its half of the kv heads (GQA: 2 of 4 or 1 of 2)
             assert figures["cache_kv_heads"] * 2 == figures["model_kv_heads"], figures
+
+
+@pytest.mark.timeout(300)
+def test_lockstep_serving_keeps_every_rank_in_step(dist_pool):
+    """Serving with tp 2: rank 0's engine calls reach the follower in order (with heartbeats
+    while idle and a refused call on both), and both ranks end in the same engine state."""
+    first, second = dist_pool(2).run(tp_ranks.lockstep_serving, 0.2)
+    assert "KV" in first["refused"] or "max_context" in first["refused"], first
+    assert second["calls"] == 9  # 5 puts, flush, refused put, put, clear
+    assert first["heartbeats"] >= 3  # ~6 while idle 1.2 s at 0.2 s
+    for key in ("free_blocks", "tracked", "seen"):
+        assert first[key] == second[key], key
+    assert first["tracked"] == [True, False] and first["seen"] == 9 + 4 + 1

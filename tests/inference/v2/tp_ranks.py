@@ -56,3 +56,46 @@ def tp_parity(families: list[str]) -> dict[str, dict[str, Any]]:
             "model_kv_heads": kv,
         }
     return results
+
+
+def lockstep_serving(heartbeat_s: float) -> dict[str, Any]:
+    """Rank 0 drives a tp = world engine through a ``LockstepEngine`` (puts, a flush, an idle
+    spell long enough for heartbeats, a put that fails its checks, a prefix-cache clear) while
+    the other ranks ``follow``; every rank reports its engine's state afterwards."""
+    import time
+
+    import torch
+
+    from shardspeed.inference.v2.serving.lockstep import LockstepEngine, follow
+
+    world = comm.get_world_size()
+    state = {"kv_block_size": 4, "memory_config": {"mode": "allocate", "size": 48}}
+    config = {"state_manager": state, "tensor_parallel": {"tp_size": world}}
+    engine = build_hf_engine(hm.build("llama"), config)
+    out: dict[str, Any] = {}
+    if comm.get_rank() == 0:
+        lock = LockstepEngine(engine, heartbeat_s=heartbeat_s)
+        logits = lock.put([1, 2], [hm.tokens(9, 2), hm.tokens(6, 3)])
+        tokens = []
+        for _ in range(4):
+            nxt = logits.argmax(-1)
+            tokens.append(nxt.tolist())
+            logits = lock.put([1, 2], [t.view(1) for t in nxt])
+        lock.flush(2)
+        time.sleep(6 * heartbeat_s)  # idle: the followers get no-ops, not a stuck collective
+        try:
+            lock.put([3], [hm.tokens(300, 4)])  # more than the cache: refused on every rank
+        except ValueError as exc:
+            out["refused"] = str(exc)
+        lock.put([1], [torch.tensor([7])])
+        out["cleared"] = lock.clear_prefix_cache()
+        out["tokens"] = tokens
+        out["heartbeats"] = lock.heartbeats
+        lock.stop()
+        lock.stop()  # twice is harmless
+    else:
+        out["calls"] = follow(engine)
+    out["free_blocks"] = engine.free_blocks
+    out["tracked"] = [engine.tracked(u) for u in (1, 2)]
+    out["seen"] = engine.seen_tokens(1)
+    return out

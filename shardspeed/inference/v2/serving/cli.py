@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
+import socket
+import sys
 from typing import Any
 
 __all__ = ["build_parser", "engine_config_from_args", "main"]
@@ -22,7 +25,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--served-model-name", default=None, help="name clients pass as `model` (default: --model)"
     )
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (1 only for now)")
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel degree: the model split by AutoTP over this many ranks (GPUs, or "
+        "CPU processes), launched by this command; rank 0 serves HTTP",
+    )
     p.add_argument(
         "--max-batch-tokens",
         type=int,
@@ -54,11 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def engine_config_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The ``RaggedInferenceEngineConfig`` dict the flags describe."""
-    if args.tp != 1:
-        raise ValueError(
-            f"--tp {args.tp}: serving with tensor parallelism is not supported yet; use --tp 1 "
-            "(or build_hf_engine with tensor_parallel.tp_size under the launcher)"
-        )
+    if args.tp < 1:
+        raise ValueError(f"--tp {args.tp}: the tensor-parallel degree must be >= 1")
     state: dict[str, Any] = {}
     if args.max_context is not None:
         state["max_context"] = args.max_context
@@ -76,18 +82,49 @@ def engine_config_from_args(args: argparse.Namespace) -> dict[str, Any]:
     return config
 
 
+def _launch_ranks(tp: int, argv: list[str]) -> int:
+    """Run this command on ``tp`` ranks of one local job (shardspeed's launcher: all ranks
+    torn down when one fails, signals forwarded) and return the job's exit code."""
+    from shardspeed.launcher.runner import main as launch
+
+    with socket.socket() as probe:  # a free rendezvous port: two servers may run side by side
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return launch(
+        [
+            "--num_gpus",
+            str(tp),
+            "--master_port",
+            str(port),
+            "--no_local_rank",
+            "--module",
+            __name__,
+            *argv,
+        ]
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Parse ``argv`` and serve until interrupted; returns the exit code."""
+    """Parse ``argv`` and serve until interrupted; returns the exit code. ``--tp`` > 1 outside
+    a launched job launches its ranks, each running this again."""
     from shardspeed.inference.v2.serving.server import serve
 
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    engine_config = engine_config_from_args(args)
+    if args.tp > 1 and "WORLD_SIZE" not in os.environ:
+        return _launch_ranks(args.tp, argv)
     serve(
         args.model,
         host=args.host,
         port=args.port,
         served_model_name=args.served_model_name,
-        engine_config=engine_config_from_args(args),
+        engine_config=engine_config,
         max_batch_tokens=args.max_batch_tokens,
         log_level=args.log_level,
     )
     return 0
+
+
+if __name__ == "__main__":  # each rank of a --tp job
+    sys.exit(main())

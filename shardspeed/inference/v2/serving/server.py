@@ -15,7 +15,13 @@ from typing import Any
 
 from shardspeed.utils.logging import logger
 
-__all__ = ["LoadedGenerator", "load_generator", "model_context_limit", "serve"]
+__all__ = [
+    "LoadedGenerator",
+    "follow_generator",
+    "load_generator",
+    "model_context_limit",
+    "serve",
+]
 
 # HF config attributes holding the longest position a model was built for, by family
 _POSITION_LIMITS = ("max_position_embeddings", "n_positions")
@@ -34,8 +40,13 @@ class LoadedGenerator:
     max_context: int
 
     def shutdown(self) -> None:
-        """Stop the generation thread."""
-        self.generator.shutdown()
+        """Stop the generation thread (and release the other tensor-parallel ranks)."""
+        try:
+            self.generator.shutdown()
+        finally:
+            stop = getattr(self.engine, "stop", None)
+            if stop is not None:
+                stop()
 
 
 def model_context_limit(hf_config: Any) -> int | None:
@@ -66,24 +77,16 @@ def _eos_ids(path: str, hf_config: Any, tokenizer: Any) -> list[int]:
     return [int(found)] if isinstance(found, int) else [int(t) for t in found]
 
 
-def load_generator(
-    model_path: str,
-    *,
-    engine_config: dict[str, Any] | None = None,
-    max_batch_tokens: int | None = None,
-) -> LoadedGenerator:
-    """Build the engine over the checkpoint at ``model_path`` and start its generation loop.
-    ``engine_config`` is a ``RaggedInferenceEngineConfig`` dict; its ``state_manager.max_context``
-    defaults to the model's own position limit (at most 8192) and may not exceed it."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    from shardspeed.inference.v2 import RaggedInferenceEngineConfig, build_hf_engine
-    from shardspeed.inference.v2.scheduler import AsyncGenerationEngine, SamplingParams
+def _prepared_config(
+    model_path: str, engine_config: dict[str, Any] | None, max_batch_tokens: int | None
+) -> tuple[Any, dict[str, Any]]:
+    """The model's HF config and the engine config dict to build it with (``max_context``
+    defaulted to and checked against the model's positions)."""
+    from transformers import AutoConfig
 
     if not os.path.isdir(model_path):
         raise ValueError(f"model path {model_path!r} is not a directory: give a local checkpoint")
     hf_config = AutoConfig.from_pretrained(model_path, local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
     config = dict(engine_config or {})
     state = dict(config.get("state_manager") or {})
     limit = model_context_limit(hf_config)
@@ -97,7 +100,35 @@ def load_generator(
     if max_batch_tokens is not None:
         state.setdefault("max_ragged_batch_size", max_batch_tokens)
     config["state_manager"] = state
-    engine = build_hf_engine(model_path, RaggedInferenceEngineConfig.from_dict(config))
+    return hf_config, config
+
+
+def _tp_size(config: dict[str, Any]) -> int:
+    return int((config.get("tensor_parallel") or {}).get("tp_size", 1))
+
+
+def load_generator(
+    model_path: str,
+    *,
+    engine_config: dict[str, Any] | None = None,
+    max_batch_tokens: int | None = None,
+) -> LoadedGenerator:
+    """Build the engine over the checkpoint at ``model_path`` and start its generation loop.
+    ``engine_config`` is a ``RaggedInferenceEngineConfig`` dict; its ``state_manager.max_context``
+    defaults to the model's own position limit (at most 8192) and may not exceed it. With
+    ``tensor_parallel.tp_size`` > 1 this is rank 0's part: its engine calls reach the other
+    ranks, which run :func:`follow_generator` with the same arguments."""
+    from transformers import AutoTokenizer
+
+    from shardspeed.inference.v2 import RaggedInferenceEngineConfig, build_hf_engine
+    from shardspeed.inference.v2.scheduler import AsyncGenerationEngine, SamplingParams
+    from shardspeed.inference.v2.serving.lockstep import LockstepEngine
+
+    hf_config, config = _prepared_config(model_path, engine_config, max_batch_tokens)
+    tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+    engine: Any = build_hf_engine(model_path, RaggedInferenceEngineConfig.from_dict(config))
+    if _tp_size(config) > 1:
+        engine = LockstepEngine(engine)
     eos = _eos_ids(model_path, hf_config, tokenizer)
     generator = AsyncGenerationEngine(engine, token_budget=max_batch_tokens, eos_token_ids=eos)
     return LoadedGenerator(
@@ -108,6 +139,23 @@ def load_generator(
         eos_token_ids=eos,
         max_context=int(engine.max_context),
     )
+
+
+def follow_generator(
+    model_path: str,
+    *,
+    engine_config: dict[str, Any] | None = None,
+    max_batch_tokens: int | None = None,
+) -> int:
+    """A tensor-parallel rank other than 0: build its shard of the engine (the arguments of
+    rank 0's :func:`load_generator`) and make rank 0's engine calls until it stops; returns
+    how many it made."""
+    from shardspeed.inference.v2 import RaggedInferenceEngineConfig, build_hf_engine
+    from shardspeed.inference.v2.serving.lockstep import follow
+
+    _, config = _prepared_config(model_path, engine_config, max_batch_tokens)
+    engine = build_hf_engine(model_path, RaggedInferenceEngineConfig.from_dict(config))
+    return follow(engine)
 
 
 def serve(
@@ -121,11 +169,28 @@ def serve(
     log_level: str = "info",
 ) -> None:
     """Load ``model_path`` and serve it over HTTP until SIGINT/SIGTERM. ``port`` 0 takes a free
-    port; the line ``shardspeed serve: listening on http://HOST:PORT`` names it."""
+    port; the line ``shardspeed serve: listening on http://HOST:PORT`` names it. With
+    ``tensor_parallel.tp_size`` > 1 (every rank of a launched job calls this) rank 0 serves
+    and the other ranks follow its engine calls."""
     import uvicorn
 
+    from shardspeed import comm
     from shardspeed.inference.v2.serving.app import build_app
     from shardspeed.inference.v2.serving.generation import ServingContext
+
+    tp = _tp_size(engine_config or {})
+    if tp > 1:
+        comm.init_distributed()
+        if comm.get_world_size() != tp:
+            raise ValueError(
+                f"--tp {tp} needs a job of {tp} ranks, this one has {comm.get_world_size()}: run "
+                f"`shardspeed serve --tp {tp} ...` (it launches the ranks itself)"
+            )
+        if comm.get_rank() != 0:
+            follow_generator(
+                model_path, engine_config=engine_config, max_batch_tokens=max_batch_tokens
+            )
+            return
 
     # bind before loading so a taken port fails fast, and so port 0 is known up front
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)

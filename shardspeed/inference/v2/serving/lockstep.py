@@ -1,0 +1,150 @@
+"""Serving a tensor-parallel engine: every rank makes the same ``put``/``flush`` calls.
+
+With AutoTP each rank holds a shard of the model and of the KV cache, and every forward pass is
+a collective. Rank 0 runs the HTTP server and the scheduler over a :class:`LockstepEngine`: each
+call that changes the engine (``put``, ``flush``, ``clear_prefix_cache``) is first broadcast to
+the other ranks, which run :func:`follow` (the same call on their own engine, in the same
+order) until rank 0 broadcasts the stop. Reads (``query``, ``free_blocks``, ...) need no
+message: every rank's block tables change only through those calls, so they are the same on
+every rank. While idle, rank 0 broadcasts a no-op every ``heartbeat_s`` seconds, so a
+follower's wait never runs into the process group's timeout.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from shardspeed import comm
+from shardspeed.utils.logging import logger
+
+__all__ = ["LockstepEngine", "follow"]
+
+_PUT, _FLUSH, _CLEAR, _NOOP, _STOP = "put", "flush", "clear_prefix_cache", "noop", "stop"
+HEARTBEAT_S = 60.0
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _broadcast(command: tuple[Any, ...] | None) -> tuple[Any, ...]:
+    """Rank 0's ``command``, on every rank."""
+    box = [command]
+    comm.broadcast_object_list(box, src=0)
+    assert box[0] is not None
+    return box[0]
+
+
+class LockstepEngine:
+    """Rank 0's view of a tensor-parallel ``InferenceEngineV2``: its changing calls reach every
+    rank first; everything else is read from the local engine."""
+
+    def __init__(self, engine: Any, heartbeat_s: float = HEARTBEAT_S) -> None:
+        if comm.get_rank() != 0:
+            raise RuntimeError("LockstepEngine runs on rank 0; the other ranks run follow().")
+        self.engine = engine
+        # one broadcast + call at a time, whichever thread (generation loop, heartbeat) makes it
+        self._lock = threading.Lock()
+        self._last = time.monotonic()
+        self.heartbeats = 0
+        self._stopped = threading.Event()
+        self._heartbeat = threading.Thread(
+            target=self._beat, args=(heartbeat_s,), name="shardspeed-tp-heartbeat", daemon=True
+        )
+        self._heartbeat.start()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    def _send(self, command: tuple[Any, ...]) -> None:
+        if self._stopped.is_set():
+            raise RuntimeError("the tensor-parallel engine was stopped")
+        _broadcast(command)
+        self._last = time.monotonic()
+
+    def put(
+        self,
+        batch_uids: Iterable[int],
+        batch_tokens: Iterable[torch.Tensor],
+        do_checks: bool = True,
+    ) -> torch.Tensor:
+        """``engine.put`` on every rank (the logits are gathered on each)."""
+        uids = [int(u) for u in batch_uids]
+        tokens = [torch.as_tensor(t).cpu() for t in batch_tokens]
+        with self._lock:
+            self._send((_PUT, uids, tokens, do_checks))
+            return self.engine.put(uids, tokens, do_checks=do_checks)
+
+    def flush(self, uid: int) -> None:
+        """``engine.flush`` on every rank."""
+        with self._lock:
+            self._send((_FLUSH, int(uid)))
+            self.engine.flush(uid)
+
+    def clear_prefix_cache(self) -> int:
+        """``engine.clear_prefix_cache`` on every rank."""
+        with self._lock:
+            self._send((_CLEAR,))
+            return int(self.engine.clear_prefix_cache())
+
+    def _beat(self, every: float) -> None:
+        while not self._stopped.wait(min(every, 5.0)):
+            if time.monotonic() - self._last < every:
+                continue
+            with self._lock:
+                if not self._stopped.is_set():
+                    self._send((_NOOP,))
+                    self.heartbeats += 1
+
+    def stop(self) -> None:
+        """Release the other ranks from :func:`follow` (once)."""
+        with self._lock:
+            if self._stopped.is_set():
+                return
+            _broadcast((_STOP,))
+            self._stopped.set()
+        self._heartbeat.join(timeout=10)
+
+
+def follow(engine: Any) -> int:
+    """On a rank other than 0: make rank 0's engine calls on ``engine`` until it stops;
+    returns how many calls ran. A call that raises here raised on rank 0 too (the same checks
+    on the same state), so it is logged and the loop goes on. SIGINT and SIGTERM are ignored
+    meanwhile: rank 0 gets them too and ends this loop once its server has shut down (the
+    launcher kills a rank that outlives its job)."""
+    main = threading.current_thread() is threading.main_thread()
+    saved = {sig: signal.signal(sig, signal.SIG_IGN) for sig in _SIGNALS} if main else {}
+    try:
+        return _follow(engine)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+def _follow(engine: Any) -> int:
+    calls = 0
+    while True:
+        command = _broadcast(None)
+        kind = command[0]
+        if kind == _STOP:
+            return calls
+        if kind == _NOOP:
+            continue
+        calls += 1
+        try:
+            if kind == _PUT:
+                _, uids, tokens, do_checks = command
+                engine.put(uids, tokens, do_checks=do_checks)
+            elif kind == _FLUSH:
+                engine.flush(command[1])
+            elif kind == _CLEAR:
+                engine.clear_prefix_cache()
+            else:
+                raise RuntimeError(f"unknown tensor-parallel command {kind!r}")
+        except (ValueError, RuntimeError) as exc:
+            logger.warning(
+                "serving rank %d: %s failed as on rank 0: %s", comm.get_rank(), kind, exc
+            )
