@@ -55,7 +55,9 @@ part import 60 "$PY" -c "import shardspeed, shardspeed.runtime.engine; from shar
 if [ "${GPU_CHECK_ONLY:-}" = serving ]; then
   part v2_tests 200 "$PY" -m pytest -q -p no:cacheprovider --timeout 120 tests/inference/v2 \
     --ignore tests/inference/v2/test_server.py --ignore tests/inference/v2/test_pipeline.py \
-    --ignore tests/inference/v2/test_engine_v2_tp.py
+    --ignore tests/inference/v2/test_server_choices.py \
+    --ignore tests/inference/v2/test_server_logprobs.py \
+    --ignore tests/inference/v2/test_server_tp.py --ignore tests/inference/v2/test_engine_v2_tp.py
   for dtype in float32 bfloat16; do
     # (GPU_CHECK_DEVICE=cpu GPU_CHECK_BENCH_ARGS=--tiny tries it on a CPU machine)
     part "bench_serving_$dtype" 150 "$PY" benchmarks/bench_serving.py \
