@@ -238,8 +238,21 @@ class InferenceEngineV2:
         """Run one forward over the batch: ``batch_tokens[i]`` are the next tokens of sequence
         ``batch_uids[i]`` (a new uid starts a sequence). Returns float32 logits
         (len(batch_uids), vocab) of each sequence's last token."""
+        return self.put_scored(batch_uids, batch_tokens, (), do_checks)[0]
+
+    def put_scored(
+        self,
+        batch_uids: Iterable[int],
+        batch_tokens: Iterable[torch.Tensor],
+        scored_uids: Iterable[int],
+        do_checks: bool = True,
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """``put``, and for each uid of ``scored_uids`` in the batch also the float32 logits
+        (its new tokens, vocab) at every one of its new tokens (prompt log-probabilities).
+        A new scored sequence computes its whole prompt: it adopts no cached prefix."""
         uids = [int(u) for u in batch_uids]
         runs = [torch.as_tensor(t).reshape(-1).to(torch.int64) for t in batch_tokens]
+        scored = {int(u) for u in scored_uids}
         self._check_batch(uids, runs, do_checks)
 
         seqs: list[TrackedSequence] = []
@@ -248,9 +261,10 @@ class InferenceEngineV2:
             seq = self._state.get_sequence(uid)
             if seq is None:
                 seq = self._state.get_or_create_sequence(uid)
-                covered = self._state.adopt_prefix(seq, run.tolist())
-                self.prefix_hit_tokens += covered
-                run = run[covered:]
+                if uid not in scored:
+                    covered = self._state.adopt_prefix(seq, run.tolist())
+                    self.prefix_hit_tokens += covered
+                    run = run[covered:]
             self._state.reserve(seq, run.numel())
             seq.tokens.extend(run.tolist())
             seq.pre_forward(run.numel())
@@ -266,12 +280,26 @@ class InferenceEngineV2:
             device=device,
         )
         flat = torch.cat(new_runs).to(device)
-        logits = self._model(flat, meta, self._cache)
+        rows = None
+        spans: dict[int, tuple[int, int]] = {}  # scored uid -> its rows in the logits
+        if scored.intersection(uids):
+            lengths = [r.numel() for r in new_runs]
+            ends = torch.cumsum(torch.tensor(lengths), 0)
+            parts = [ends - 1]
+            at = len(uids)
+            for i, uid in enumerate(uids):
+                if uid in scored:
+                    parts.append(torch.arange(int(ends[i]) - lengths[i], int(ends[i])))
+                    spans[uid] = (at, at + lengths[i])
+                    at += lengths[i]
+            rows = torch.cat(parts).to(device)
+        logits = self._model(flat, meta, self._cache, rows)
         self.computed_tokens += flat.numel()
         for seq in seqs:
             seq.post_forward()
             self._state.index_full_blocks(seq)
-        return logits
+        every = {uid: logits[a:b] for uid, (a, b) in spans.items()}
+        return logits[: len(uids)], every
 
     def _check_batch(self, uids: list[int], runs: list[torch.Tensor], do_checks: bool) -> None:
         """ValueError (nothing changed) for a batch that cannot run as given."""

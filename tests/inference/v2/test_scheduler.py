@@ -237,3 +237,34 @@ def test_logprobs_are_the_models_raw_log_softmax() -> None:
                 assert v == pytest.approx(w, abs=1e-4)
         if not ask.do_sample:  # greedy: the drawn token is the most likely one
             assert all(e.token == e.top_logprobs[0][0] for e in got)
+
+
+def test_prompt_logprobs_over_chunks_equal_hf() -> None:
+    """prompt_logprobs: a 40-token prompt split over steps by a 16-token budget, its prefix
+    already cached by an earlier request, reports every prompt token's log-probability (the
+    first None) and top tokens as HF's own forward gives them, with its first token."""
+    model = _model()
+    prompt = hf_models.tokens(40, seed=77).tolist()
+    engine = _engine(block_size=8)
+    sched = RaggedScheduler(engine, token_budget=16)
+    sched.add_request(prompt[:32], SamplingParams(max_new_tokens=1))  # caches 4 blocks of it
+    sched.run_to_completion()
+    uid = sched.add_request(prompt, SamplingParams(max_new_tokens=3, prompt_logprobs=2))
+    events = []
+    while sched.has_work:
+        events += sched.step()
+    assert [e.prompt_logprobs is not None for e in events] == [True, False, False]
+    entries = events[0].prompt_logprobs
+    assert events[0].uid == uid and len(entries) == len(prompt)
+    with torch.no_grad():
+        want = model(torch.tensor([prompt])).logits[0].float().log_softmax(dim=-1)
+    assert entries[0] == (prompt[0], None, ())
+    for t in range(1, len(prompt)):
+        token, logprob, top = entries[t]
+        assert token == prompt[t]
+        assert logprob == pytest.approx(float(want[t - 1, prompt[t]]), abs=1e-4)
+        values, ids = want[t - 1].topk(2)
+        assert [i for i, _ in top] == ids.tolist()
+        assert [v for _, v in top] == pytest.approx(values.tolist(), abs=1e-4)
+    # the tokens are those of a plain run
+    assert [e.token for e in events] == _alone(prompt, SamplingParams(max_new_tokens=3))

@@ -103,6 +103,57 @@ def test_chat_logprobs_equal_hf(client: Any, reference: Reference) -> None:
     assert streamed == [e.token for e in content]
 
 
+@pytest.mark.timeout(300)
+def test_echo_with_prompt_logprobs_equal_hf(client: Any, reference: Reference) -> None:
+    """What lm-eval's loglikelihood asks of an OpenAI-compatible server: the prompt as token
+    ids, echo, logprobs=1, one new token; every prompt token after the first gets HF's
+    log-probability given the ones before it."""
+    ids = reference.prompt_ids("w5 w9 w13 w7 w2 w2 w40")
+    with torch.no_grad():
+        want = reference.model(torch.tensor([ids])).logits[0].float().log_softmax(dim=-1)
+    [generated] = reference.generate_ids(ids, 1)
+    out = client.completions.create(
+        model=NAME, prompt=ids, max_tokens=1, temperature=0, logprobs=1, echo=True
+    )
+    choice = out.choices[0]
+    prompt_text = reference.tokenizer.decode(ids)
+    assert choice.text == prompt_text + reference.tokenizer.decode([generated])
+    lp = choice.logprobs
+    assert lp.tokens == [_word(reference, t) for t in [*ids, generated]]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for t in range(1, len(ids)):
+        assert lp.token_logprobs[t] == pytest.approx(float(want[t - 1, ids[t]]), abs=1e-4)
+        best = int(want[t - 1].argmax())
+        top = lp.top_logprobs[t]  # the most likely token, and the prompt's own
+        assert set(top) == {_word(reference, best), _word(reference, ids[t])}
+        assert top[_word(reference, best)] == pytest.approx(float(want[t - 1, best]), abs=1e-4)
+    assert lp.token_logprobs[-1] == pytest.approx(float(want[-1, generated]), abs=1e-4)
+    assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == 1
+    # streamed: the first chunk carries the prompt and its log-probabilities
+    chunks = [
+        c
+        for c in client.completions.create(
+            model=NAME,
+            prompt=ids,
+            max_tokens=4,
+            temperature=0,
+            logprobs=1,
+            echo=True,
+            stream=True,
+        )  # fmt: skip
+        if c.choices
+    ]
+    assert chunks[0].choices[0].text.startswith(prompt_text)
+    streamed = [t for c in chunks for t in c.choices[0].logprobs.token_logprobs]
+    assert streamed[: len(ids)] == lp.token_logprobs[: len(ids)]
+    # echo without logprobs: the text only, a string prompt given back as it was
+    plain = client.completions.create(
+        model=NAME, prompt="w8 w9", max_tokens=3, temperature=0, echo=True
+    )
+    tail = reference.text(reference.prompt_ids("w8 w9"), 3)
+    assert plain.choices[0].text == "w8 w9" + tail and plain.choices[0].logprobs is None
+
+
 @pytest.mark.timeout(120)
 def test_bad_logprobs_are_400s(server: str) -> None:
     chat = {"model": NAME, "messages": [{"role": "user", "content": "w1"}], "max_tokens": 2}
@@ -111,7 +162,7 @@ def test_bad_logprobs_are_400s(server: str) -> None:
         ("chat/completions", {**chat, "top_logprobs": 2}, "top_logprobs", "logprobs: true"),
         ("chat/completions", {**chat, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "20"),
         ("completions", {**comp, "logprobs": 21}, "logprobs", "20"),
-        ("completions", {**comp, "echo": True}, "echo", "not supported"),
+        ("completions", {**comp, "suffix": "w3"}, "suffix", "not supported"),
     ]
     for path, body, param, words in cases:
         reply = httpx.post(

@@ -148,9 +148,14 @@ class RaggedCausalLM(nn.Module):
 
     @torch.no_grad()
     def forward(
-        self, input_ids: torch.Tensor, meta: RaggedBatchMetadata, cache: BlockedKVCache
+        self,
+        input_ids: torch.Tensor,
+        meta: RaggedBatchMetadata,
+        cache: BlockedKVCache,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits (sequences, vocab), float32, of each sequence's last new token."""
+        """Logits (sequences, vocab), float32, of each sequence's last new token; with
+        ``rows``, of those flat token rows instead (len(rows), vocab)."""
         if input_ids.dim() != 1 or input_ids.numel() != meta.num_tokens:
             raise ValueError(
                 f"input_ids must be the flat run of the batch's {meta.num_tokens} new tokens, "
@@ -167,10 +172,11 @@ class RaggedCausalLM(nn.Module):
                 metas[window] = _windowed(meta, window)
         if self.layout == "gpt2":
             hidden = self._gpt2_layers(input_ids, meta, metas, cache)
-            hidden = self.base.ln_f(self._last_tokens(hidden, meta))
+            norm = self.base.ln_f
         else:
             hidden = self._rotary_layers(input_ids, meta, metas, cache)
-            hidden = self.base.norm(self._last_tokens(hidden, meta))
+            norm = self.base.norm
+        hidden = norm(self._last_tokens(hidden, meta) if rows is None else hidden[rows])
         logits = self.hf_model.lm_head(hidden)
         return logits.float()
 

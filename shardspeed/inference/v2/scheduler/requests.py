@@ -9,9 +9,11 @@ import torch
 
 from shardspeed.inference.v2.scheduler.sampling import SamplingParams
 
-__all__ = ["FinishReason", "Request", "ScheduledChunk", "TokenEvent"]
+__all__ = ["FinishReason", "PromptLogprob", "Request", "ScheduledChunk", "TokenEvent"]
 
 FinishReason = Literal["stop", "length"]
+# (token, its log-probability given the tokens before it, the top (token, log-probability))
+PromptLogprob = tuple[int, float | None, tuple[tuple[int, float], ...]]
 
 
 @dataclass(frozen=True)
@@ -20,7 +22,9 @@ class TokenEvent:
     ("stop": a stop/end-of-sequence token, included as ``token``; "length": max_new_tokens).
     When the request asked for ``logprobs``: ``logprob``, the token's log-probability, and
     ``top_logprobs``, the (token, log-probability) of the most likely tokens, most likely
-    first."""
+    first. ``prompt_logprobs``, on a request's first token when it asked for them: one
+    (token, log-probability, top tokens) per prompt token, the first one's log-probability
+    None (nothing predicts it)."""
 
     uid: int
     token: int
@@ -28,6 +32,7 @@ class TokenEvent:
     finish_reason: FinishReason | None = None
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
+    prompt_logprobs: tuple[PromptLogprob, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,15 @@ class Request:
     generator: torch.Generator | None = None
     admitted_at: int | None = None
     preemptions: int = 0
+    # prompt log-probabilities found so far (when asked): entry t is prompt token t's
+    prompt_entries: list[PromptLogprob] = field(default_factory=list)
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether the request still needs log-probabilities of prompt tokens."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_entries) < len(
+            self.prompt
+        )
 
     @property
     def num_tokens(self) -> int:

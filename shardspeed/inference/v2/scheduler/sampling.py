@@ -28,7 +28,9 @@ class SamplingParams(BaseModel):
     ``seed`` (None: drawn from torch's global generator) seeds the request's own generator.
     ``logprobs`` (None: off) reports each generated token's log-probability and that many of
     the most likely tokens with theirs, from the model's raw distribution (before temperature,
-    top-k/top-p and stop-token suppression, as vLLM's default).
+    top-k/top-p and stop-token suppression, as vLLM's default). ``prompt_logprobs`` (None:
+    off) does the same for every prompt token after the first (its prompt is then computed
+    whole, sharing no cached prefix), reported with the first generated token.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -43,6 +45,7 @@ class SamplingParams(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
 
     @model_validator(mode="after")
     def _check_lengths(self) -> SamplingParams:

@@ -55,6 +55,14 @@ class SchedulableEngine(Protocol):
         self, batch_uids: Iterable[int], batch_tokens: Iterable[torch.Tensor], do_checks: bool = ...
     ) -> torch.Tensor: ...
 
+    def put_scored(
+        self,
+        batch_uids: Iterable[int],
+        batch_tokens: Iterable[torch.Tensor],
+        scored_uids: Iterable[int],
+        do_checks: bool = ...,
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]: ...
+
     def query(
         self, uid: int, max_request_tokens: int, max_request_blocks: int
     ) -> tuple[int, int]: ...
@@ -220,12 +228,20 @@ class RaggedScheduler:
             torch.tensor(r.tokens(c.start, c.length), dtype=torch.long)
             for r, c in zip(requests, chunks, strict=True)
         ]
-        logits = self.engine.put([c.uid for c in chunks], tokens)
+        uids = [c.uid for c in chunks]
+        scored = [c.uid for r, c in zip(requests, chunks, strict=True) if r.scores_prompt]
+        if scored:
+            logits, every = self.engine.put_scored(uids, tokens, scored)
+            for request, chunk in zip(requests, chunks, strict=True):
+                if chunk.uid in every:
+                    _record_prompt_logprobs(request, chunk, every[chunk.uid])
+        else:
+            logits = self.engine.put(uids, tokens)
         # Sampling runs on the CPU with CPU generators: the same draws whatever the device.
         logits = logits.detach().float().cpu()
         self.num_steps += 1
         self.last_step = chunks
-        scored = _logprobs(logits, requests, chunks)
+        with_logprobs = _logprobs(logits, requests, chunks)
         # stop tokens before min_new_tokens made -inf, then every greedy pick of the step in
         # one argmax (sampled requests draw from their own row)
         stops: list[frozenset[int]] = []
@@ -245,8 +261,12 @@ class RaggedScheduler:
             request.computed += chunk.length
             if chunk.samples:
                 event = self._sample(request, logits[i], greedy[i], stops[i])
-                if i in scored:
-                    event = scored[i](event)
+                if i in with_logprobs:
+                    event = with_logprobs[i](event)
+                if request.params.prompt_logprobs is not None and len(request.generated) == 1:
+                    event = dataclasses.replace(
+                        event, prompt_logprobs=tuple(request.prompt_entries)
+                    )
                 events.append(event)
         return events
 
@@ -372,6 +392,28 @@ def _logprobs(
         return add
 
     return {i: adder(j, int(requests[i].params.logprobs or 0)) for j, i in enumerate(rows)}
+
+
+def _record_prompt_logprobs(request: Request, chunk: ScheduledChunk, logits: torch.Tensor) -> None:
+    """Add the log-probabilities of the prompt tokens that ``chunk``'s positions predict
+    (``logits``: one row per chunk token; position p predicts token p + 1)."""
+    prompt, entries = request.prompt, request.prompt_entries
+    if not entries:
+        entries.append((prompt[0], None, ()))  # the first token has nothing before it
+    scores = logits.detach().float().cpu().log_softmax(dim=-1)
+    k = int(request.params.prompt_logprobs or 0)
+    top_values, top_ids = scores.topk(k, dim=-1) if k else (scores[:, :0], scores[:, :0])
+    for i in range(chunk.length):
+        target = chunk.start + i + 1
+        if target >= len(prompt):
+            break
+        if target != len(entries):  # found before a preemption
+            continue
+        top = tuple(
+            (int(t), float(v))
+            for t, v in zip(top_ids[i].tolist(), top_values[i].tolist(), strict=True)
+        )
+        entries.append((prompt[target], float(scores[i, prompt[target]]), top))
 
 
 class _Batch:

@@ -159,6 +159,7 @@ def _jobs(
     limit: int | None,
     field: str,
     logprobs: int | None,
+    prompt_logprobs: int | None = None,
 ) -> list[tuple[list[int], Any]]:
     """(prompt ids, sampling params) of every choice: ``body.n`` per prompt, prompt by prompt.
     With a seed, choice ``j`` of a prompt samples with seed + j (as vLLM), so the ``n``
@@ -166,10 +167,16 @@ def _jobs(
     jobs = []
     for ids in prompts:
         kwargs = sampling_kwargs(body, limit, len(ids), context.max_context, field, logprobs)
+        kwargs["prompt_logprobs"] = prompt_logprobs
         for j in range(body.n):
             seed = None if body.seed is None else body.seed + j
             jobs.append((ids, context.params_factory(**{**kwargs, "seed": seed})))
     return jobs
+
+
+def _decode(context: ServingContext, ids: list[int]) -> str:
+    """The text of a prompt given as token ids (what ``echo`` returns for it)."""
+    return str(context.tokenizer.decode(ids))
 
 
 def _token_text(context: ServingContext) -> Callable[[int], str]:
@@ -205,35 +212,50 @@ def build_app(context: ServingContext) -> Starlette:
     async def completions(request: Request) -> Response:
         body: CompletionRequest = await _parse(request, CompletionRequest)
         context.check_model(body.model)
-        prompts = [_prompt_ids(context, prompt) for prompt in body.prompt_list()]
-        jobs = _jobs(context, body, prompts, body.max_tokens, "prompt", body.logprobs)
+        given = body.prompt_list()
+        prompts = [_prompt_ids(context, prompt) for prompt in given]
+        # echo: each choice starts with its prompt (and, with logprobs, the prompt's)
+        echoes = [p if isinstance(p, str) else _decode(context, p) for p in given]
+        scored = body.logprobs if body.echo else None
+        jobs = _jobs(context, body, prompts, body.max_tokens, "prompt", body.logprobs, scored)
         streams = run_requests(context, jobs, body.stop_strings())
         rid = new_id("cmpl")
         # each prompt is counted once, whatever n (as OpenAI's usage)
         prompt_tokens = sum(len(ids) for ids in prompts)
         token_text = _token_text(context)
         wants_logprobs = body.logprobs is not None
+
+        def echoed(index: int) -> str:
+            return echoes[index // body.n] if body.echo else ""
+
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)
-            offsets = [0] * len(streams)  # each choice's text so far, for text_offset
+            offsets = [0] * len(streams)  # each choice's token text so far, for text_offset
+            started = [False] * len(streams)
 
             def chunk(index: int, piece: Piece | None, counts: Any) -> dict[str, Any]:
                 if piece is None:
                     return completion_chunk(rid, body.model, 0, None, None, counts)
+                first, started[index] = not started[index], True
+                text = (echoed(index) if first else "") + piece.text
                 logprobs = None
                 if wants_logprobs:
-                    logprobs = completion_logprobs(piece.tokens, token_text, offsets[index])
+                    logprobs = completion_logprobs(
+                        piece.tokens, token_text, offsets[index], echo=body.echo and first
+                    )
                     offsets[index] += sum(len(t) for t in logprobs["tokens"])
                 return completion_chunk(
-                    rid, body.model, index, piece.text, piece.finish_reason, None, logprobs
+                    rid, body.model, index, text, piece.finish_reason, None, logprobs
                 )
 
             return _stream(streams, chunk, prompt_tokens, include)
 
         def whole(events: list[Any]) -> dict[str, Any]:
-            return completion_logprobs(events, token_text, 0)
+            return completion_logprobs(events, token_text, 0, echo=body.echo)
 
         choices, count = await _collect_all(streams, whole if wants_logprobs else None)
+        if body.echo:
+            choices = [(echoed(i) + text, f, lp) for i, (text, f, lp) in enumerate(choices)]
         return JSONResponse(
             completion_response(rid, body.model, choices, usage(prompt_tokens, count))
         )

@@ -1,10 +1,10 @@
 """Serving a tensor-parallel engine: every rank makes the same ``put``/``flush`` calls.
 
 With AutoTP each rank holds a shard of the model and of the KV cache, and every forward pass is
-a collective. Rank 0 runs the HTTP server and the scheduler over a :class:`LockstepEngine`: each
-call that changes the engine (``put``, ``flush``, ``clear_prefix_cache``) is first broadcast to
-the other ranks, which run :func:`follow` (the same call on their own engine, in the same
-order) until rank 0 broadcasts the stop. Reads (``query``, ``free_blocks``, ...) need no
+a collective. Rank 0 runs the HTTP server and the scheduler over a :class:`LockstepEngine`:
+each call that changes the engine (``put``, ``put_scored``, ``flush``, ``clear_prefix_cache``)
+is first broadcast to the other ranks, which run :func:`follow` (the same call on their own
+engine, in the same order) until rank 0 broadcasts the stop. Reads (``query``, ``free_blocks``, ...) need no
 message: every rank's block tables change only through those calls, so they are the same on
 every rank. While idle, rank 0 broadcasts a no-op every ``heartbeat_s`` seconds, so a
 follower's wait never runs into the process group's timeout.
@@ -25,7 +25,8 @@ from shardspeed.utils.logging import logger
 
 __all__ = ["LockstepEngine", "follow"]
 
-_PUT, _FLUSH, _CLEAR, _NOOP, _STOP = "put", "flush", "clear_prefix_cache", "noop", "stop"
+_PUT, _SCORED, _FLUSH = "put", "put_scored", "flush"
+_CLEAR, _NOOP, _STOP = "clear_prefix_cache", "noop", "stop"
 HEARTBEAT_S = 60.0
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -77,6 +78,21 @@ class LockstepEngine:
         with self._lock:
             self._send((_PUT, uids, tokens, do_checks))
             return self.engine.put(uids, tokens, do_checks=do_checks)
+
+    def put_scored(
+        self,
+        batch_uids: Iterable[int],
+        batch_tokens: Iterable[torch.Tensor],
+        scored_uids: Iterable[int],
+        do_checks: bool = True,
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """``engine.put_scored`` on every rank."""
+        uids = [int(u) for u in batch_uids]
+        tokens = [torch.as_tensor(t).cpu() for t in batch_tokens]
+        scored = [int(u) for u in scored_uids]
+        with self._lock:
+            self._send((_SCORED, uids, tokens, scored, do_checks))
+            return self.engine.put_scored(uids, tokens, scored, do_checks=do_checks)
 
     def flush(self, uid: int) -> None:
         """``engine.flush`` on every rank."""
@@ -138,6 +154,9 @@ def _follow(engine: Any) -> int:
             if kind == _PUT:
                 _, uids, tokens, do_checks = command
                 engine.put(uids, tokens, do_checks=do_checks)
+            elif kind == _SCORED:
+                _, uids, tokens, scored, do_checks = command
+                engine.put_scored(uids, tokens, scored, do_checks=do_checks)
             elif kind == _FLUSH:
                 engine.flush(command[1])
             elif kind == _CLEAR:

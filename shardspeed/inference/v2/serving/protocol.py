@@ -152,7 +152,7 @@ class CompletionRequest(GenerationRequest):
             return [[int(t) for t in prompt]]  # type: ignore[union-attr]
         return list(prompt)  # type: ignore[arg-type]
 
-    @field_validator("echo", "suffix")
+    @field_validator("suffix")
     @classmethod
     def _unset(cls, value: Any, info: ValidationInfo) -> Any:
         if value:
@@ -242,18 +242,26 @@ Choice = tuple[str, "str | None", "dict[str, Any] | None"]
 
 
 def completion_logprobs(
-    events: list[Any], token_text: Callable[[int], str], offset: int
+    events: list[Any], token_text: Callable[[int], str], offset: int, echo: bool = False
 ) -> dict[str, Any]:
     """The legacy completions ``logprobs`` object of ``events`` (token events carrying
     ``logprob`` and ``top_logprobs``), the first token's text at character ``offset``: each
-    token's text, log-probability, its top tokens and the sampled one, and text offset."""
+    token's text, log-probability, its top tokens and the chosen one, and text offset. With
+    ``echo`` the first event's ``prompt_logprobs`` come first (the first prompt token's
+    log-probability and top tokens None, as OpenAI's)."""
+    entries: list[tuple[int, float | None, tuple[tuple[int, float], ...]]] = []
+    if echo and events and events[0].prompt_logprobs is not None:
+        entries += events[0].prompt_logprobs
+    entries += [(e.token, e.logprob, e.top_logprobs) for e in events]
     tokens, values, tops, offsets = [], [], [], []
-    for event in events:
-        text = token_text(event.token)
+    for token, logprob, top_pairs in entries:
+        text = token_text(token)
         tokens.append(text)
-        values.append(event.logprob)
-        top = {token_text(t): v for t, v in event.top_logprobs}
-        top.setdefault(text, event.logprob)  # the sampled token always has its entry
+        values.append(logprob)
+        top: dict[str, float] | None = None
+        if logprob is not None:
+            top = {token_text(t): v for t, v in top_pairs}
+            top.setdefault(text, logprob)  # the chosen token always has its entry
         tops.append(top)
         offsets.append(offset)
         offset += len(text)
