@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -95,20 +96,36 @@ REPO = Path(__file__).resolve().parents[3]
 STARTUP_S = 120.0
 
 
-def start_server(model_dir: Path, *extra: str) -> tuple[subprocess.Popen[str], str]:
+def start_server(
+    model_dir: Path, *extra: str, env_extra: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[str], str]:
     """``shardspeed serve`` on ``model_dir`` as a child process on a free port (small KV cache
-    and batch; ``extra`` flags added), and its base URL once ``/health`` answers."""
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    and batch; ``extra`` flags and ``env_extra`` variables added), and its base URL once
+    ``/health`` answers. Its output goes to a file (a pipe nobody drains would block a server
+    that logs a lot)."""
+    # not the distributed variables an in-process test may have exported
+    dist_vars = {
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    }
+    env = {k: v for k, v in os.environ.items() if k not in dist_vars}
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **(env_extra or {}))
     cmd = [
         sys.executable, "-m", "shardspeed.launcher.runner", "serve", "--model", str(model_dir),
         "--port", "0", "--served-model-name", SERVED_NAME, "--max-batch-tokens", "64",
         "--kv-block-size", "8", "--kv-blocks", "64", "--log-level", "warning", *extra,
     ]  # fmt: skip
+    log = tempfile.NamedTemporaryFile("w+", prefix="serve-", suffix=".log", delete=False)
     proc = subprocess.Popen(
-        cmd, cwd=str(REPO), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        cmd, cwd=str(REPO), env=env, stdout=log, stderr=subprocess.STDOUT, text=True
     )
+    proc.log = log  # type: ignore[attr-defined]
     try:
-        return proc, _wait_ready(proc, time.monotonic() + STARTUP_S)
+        return proc, _wait_ready(proc, Path(log.name), time.monotonic() + STARTUP_S)
     except BaseException:
         stop_server(proc)
         raise
@@ -122,28 +139,29 @@ def stop_server(proc: subprocess.Popen[str]) -> int:
     except subprocess.TimeoutExpired:
         proc.kill()
         code = proc.wait(timeout=20)
-    if proc.stdout is not None:
-        proc.stdout.close()
+    log = getattr(proc, "log", None)
+    if log is not None:
+        log.close()
+        os.unlink(log.name)
     return code
 
 
-def _wait_ready(proc: subprocess.Popen[str], deadline: float) -> str:
-    """The base URL once the process printed its address and /health answers 200."""
+def _wait_ready(proc: subprocess.Popen[str], log: Path, deadline: float) -> str:
+    """The base URL once the process wrote its address to ``log`` and /health answers 200."""
     import httpx
 
-    assert proc.stdout is not None
     url = None
-    lines: list[str] = []
     while url is None:
+        text = log.read_text()
         if time.monotonic() > deadline or proc.poll() is not None:
-            raise AssertionError(f"server did not start: {''.join(lines)}")
-        line = proc.stdout.readline()
-        lines.append(line)
-        found = re.search(r"listening on (http://\S+)", line)
+            raise AssertionError(f"server did not start: {text}")
+        found = re.search(r"listening on (http://\S+)", text)
         url = found.group(1) if found else None
+        if url is None:
+            time.sleep(0.2)
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise AssertionError(f"server exited with {proc.returncode}")
+            raise AssertionError(f"server exited with {proc.returncode}: {log.read_text()}")
         try:
             if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
                 return url

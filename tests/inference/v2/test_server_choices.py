@@ -14,12 +14,36 @@ import pytest
 
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
-pytest.importorskip("openai")
+openai = pytest.importorskip("openai")
 
 from tests.inference.v2.serve_model import SERVED_NAME as NAME  # noqa: E402
 from tests.inference.v2.serve_model import Reference  # noqa: E402
 
 PROMPTS = ["w1 w2", "w5 w9 w13 w7", "w40 w41 w2"]
+
+
+class _Recording:
+    """The real generation engine, remembering the handles it gave out."""
+
+    running = True
+
+    def __init__(self, generator: Any) -> None:
+        self.generator = generator
+        self.handles: list[Any] = []
+
+    def submit(self, prompt_ids: list[int], params: Any) -> Any:
+        self.handles.append(self.generator.submit(prompt_ids, params))
+        return self.handles[-1]
+
+    def abort(self, uid: int) -> None:
+        self.generator.abort(uid)
+
+
+def _all_aborted(handles: list[Any], max_tokens: int) -> None:
+    """Every request of ``handles`` ended by an abort, long before ``max_tokens``."""
+    for handle in handles:
+        tokens = handle.result(timeout=60)
+        assert handle.finish_reason == "abort" and len(tokens) < max_tokens
 
 
 def _streamed(chunks: list[Any]) -> tuple[dict[int, str], dict[int, list[Any]]]:
@@ -101,19 +125,10 @@ def test_a_refused_prompt_leaves_no_choice_running(model_dir: Path) -> None:
     cache = {"kv_block_size": 8, "memory_config": {"mode": "allocate", "size": 16}}
     loaded = load_generator(str(model_dir), engine_config={"state_manager": cache})
     try:
-        submitted: list[Any] = []
-
-        class Recording:
-            def submit(self, prompt_ids: list[int], params: Any) -> Any:
-                handle = loaded.generator.submit(prompt_ids, params)
-                submitted.append(handle)
-                return handle
-
-            def abort(self, uid: int) -> None:
-                loaded.generator.abort(uid)
-
+        backend = _Recording(loaded.generator)
+        submitted = backend.handles
         context = ServingContext(
-            Recording(), loaded.tokenizer, NAME, loaded.max_context, loaded.params_factory
+            backend, loaded.tokenizer, NAME, loaded.max_context, loaded.params_factory
         )
         fits = loaded.params_factory(max_new_tokens=100, ignore_eos=True)
         # 16 blocks of 8 tokens hold 128: the third prompt can never fit
@@ -121,14 +136,12 @@ def test_a_refused_prompt_leaves_no_choice_running(model_dir: Path) -> None:
         with pytest.raises(APIError, match="KV blocks"):
             run_requests(context, jobs, [])
         assert len(submitted) == 2
-        for handle in submitted:
-            tokens = handle.result(timeout=60)
-            assert handle.finish_reason == "abort" and len(tokens) < 100
+        _all_aborted(submitted, 100)
 
         async def two_streams_then_leave() -> None:
             from shardspeed.inference.v2.serving.generation import merge_pieces
 
-            streams = run_requests(context, jobs[:2], [])
+            streams = run_requests(context, jobs[:2], []).streams
             merged = merge_pieces(streams)
             await merged.__anext__()
             await merged.aclose()  # type: ignore[attr-defined]
@@ -136,8 +149,76 @@ def test_a_refused_prompt_leaves_no_choice_running(model_dir: Path) -> None:
         submitted.clear()
         asyncio.run(two_streams_then_leave())
         assert len(submitted) == 2
-        for handle in submitted:  # leaving the merged stream aborts every choice
-            tokens = handle.result(timeout=60)
-            assert handle.finish_reason == "abort" and len(tokens) < 100
+        _all_aborted(submitted, 100)  # leaving the merged stream aborts every choice
     finally:
         loaded.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_a_stream_whose_client_is_gone_aborts_every_choice(model_dir: Path) -> None:
+    """The ASGI app driven directly: a streamed chat request with n=3 whose client disconnects
+    right after sending it; every choice is aborted long before max_tokens, whichever point the
+    response had reached."""
+    import json
+
+    from shardspeed.inference.v2.serving.app import build_app
+    from shardspeed.inference.v2.serving.generation import ServingContext
+    from shardspeed.inference.v2.serving.server import load_generator
+
+    loaded = load_generator(
+        str(model_dir),
+        engine_config={"state_manager": {"memory_config": {"mode": "allocate", "size": 256}}},
+    )
+    try:
+        backend = _Recording(loaded.generator)
+        app = build_app(
+            ServingContext(
+                backend, loaded.tokenizer, NAME, loaded.max_context, loaded.params_factory
+            )
+        )
+        body = json.dumps({
+            "model": NAME, "messages": [{"role": "user", "content": "w1"}], "n": 3,
+            "max_tokens": 400, "stream": True, "ignore_eos": True,
+        }).encode()  # fmt: skip
+        scope = {
+            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+            "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+            "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
+            "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2),
+        }  # fmt: skip
+        messages = iter([{"type": "http.request", "body": body, "more_body": False}])
+
+        async def receive() -> dict[str, Any]:
+            message = next(messages, None)
+            if message is None:
+                await asyncio.sleep(0.05)
+                return {"type": "http.disconnect"}
+            return message
+
+        sent: list[dict[str, Any]] = []
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+            if message["type"] == "http.response.body":
+                raise OSError("the client is gone")
+
+        async def call() -> None:
+            try:
+                await app(scope, receive, send)
+            except OSError:
+                pass
+
+        asyncio.run(call())
+        assert len(backend.handles) == 3 and sent[0]["status"] == 200
+        _all_aborted(backend.handles, 400)
+    finally:
+        loaded.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_too_many_choices_and_a_seed_past_int64_are_400s(client: Any) -> None:
+    with pytest.raises(openai.BadRequestError, match="choices") as caught:
+        client.completions.create(model=NAME, prompt=["w1"] * 9, n=128, max_tokens=1)
+    assert caught.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError, match="seed"):
+        client.completions.create(model=NAME, prompt="w1", max_tokens=1, seed=2**63)

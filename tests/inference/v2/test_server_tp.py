@@ -5,6 +5,7 @@ included."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -37,7 +38,16 @@ def _ranks_alive(model_dir: Path) -> list[str]:
 
 @pytest.mark.timeout(300)
 def test_serve_tp2_equals_hf_and_stops_every_rank(model_dir: Path, reference: Reference) -> None:
-    proc, url = start_server(model_dir, "--tp", "2")
+    # a shell that ran another job: its WORLD_SIZE/RANK/MASTER_PORT (a port now taken) must not
+    # make the command think it is already one of the ranks
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    stale = {"WORLD_SIZE": "1", "RANK": "0", "MASTER_PORT": str(taken.getsockname()[1])}
+    try:
+        proc, url = start_server(model_dir, "--tp", "2", env_extra=stale)
+    finally:
+        taken.close()
     try:
         ranks = [line for line in _ranks_alive(model_dir) if "serving.cli" in line]
         assert len(ranks) == 2, ranks  # the launcher started both ranks

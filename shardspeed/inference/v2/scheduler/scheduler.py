@@ -394,26 +394,35 @@ def _logprobs(
     return {i: adder(j, int(requests[i].params.logprobs or 0)) for j, i in enumerate(rows)}
 
 
+# rows of a scored chunk's logits turned into log-probabilities at once (bounds the float copy
+# to this many rows x vocab)
+_SCORE_ROWS = 64
+
+
 def _record_prompt_logprobs(request: Request, chunk: ScheduledChunk, logits: torch.Tensor) -> None:
     """Add the log-probabilities of the prompt tokens that ``chunk``'s positions predict
-    (``logits``: one row per chunk token; position p predicts token p + 1)."""
+    (``logits``: one row per chunk token, on the engine's device; position p predicts token
+    p + 1), a block of rows at a time, only the picked values leaving the device."""
     prompt, entries = request.prompt, request.prompt_entries
     if not entries:
         entries.append((prompt[0], None, ()))  # the first token has nothing before it
-    scores = logits.detach().float().cpu().log_softmax(dim=-1)
     k = int(request.params.prompt_logprobs or 0)
-    top_values, top_ids = scores.topk(k, dim=-1) if k else (scores[:, :0], scores[:, :0])
-    for i in range(chunk.length):
-        target = chunk.start + i + 1
-        if target >= len(prompt):
-            break
-        if target != len(entries):  # found before a preemption
-            continue
-        top = tuple(
-            (int(t), float(v))
-            for t, v in zip(top_ids[i].tolist(), top_values[i].tolist(), strict=True)
-        )
-        entries.append((prompt[target], float(scores[i, prompt[target]]), top))
+    # row i predicts prompt token chunk.start + i + 1: from the first not recorded yet (a
+    # preempted request recomputes rows it recorded) to the prompt's last
+    first = max(0, len(entries) - 1 - chunk.start)
+    last = min(chunk.length, len(prompt) - 1 - chunk.start)
+    for a in range(first, last, _SCORE_ROWS):
+        b = min(a + _SCORE_ROWS, last)
+        scores = logits[a:b].float().log_softmax(dim=-1)
+        targets = prompt[chunk.start + a + 1 : chunk.start + b + 1]
+        index = torch.tensor(targets, device=scores.device)[:, None]
+        values = scores.gather(1, index)[:, 0].tolist()
+        top_values, top_ids = scores.topk(k, dim=-1) if k else (scores[:, :0], scores[:, :0])
+        for token, value, ids, tops in zip(
+            targets, values, top_ids.tolist(), top_values.tolist(), strict=True
+        ):
+            pairs = tuple((int(t), float(v)) for t, v in zip(ids, tops, strict=True))
+            entries.append((token, float(value), pairs))
 
 
 class _Batch:

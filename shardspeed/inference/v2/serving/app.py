@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from shardspeed.inference.v2.serving.generation import (
+    Choices,
     Piece,
     ServingContext,
     merge_pieces,
@@ -90,24 +91,46 @@ async def _collect(pieces: AsyncIterator[Piece]) -> tuple[str, str | None, int, 
 
 
 async def _collect_all(
-    streams: list[AsyncIterator[Piece]], logprobs: Callable[[list[Any]], dict[str, Any]] | None
+    choices: Choices, logprobs: Callable[[list[Any]], dict[str, Any]] | None
 ) -> tuple[list[Choice], int]:
     """Every choice in order (its logprobs object made by ``logprobs`` when asked) and their
-    completion tokens in all."""
-    results = await asyncio.gather(*(_collect(stream) for stream in streams))
-    choices: list[Choice] = [
+    completion tokens in all. When one fails, or the handler is cancelled, the others are
+    cancelled and every unfinished choice is aborted."""
+    tasks = [asyncio.ensure_future(_collect(stream)) for stream in choices.streams]
+    try:
+        results = await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        choices.abort_unfinished()
+    made: list[Choice] = [
         (text, finish, logprobs(events) if logprobs else None)
         for text, finish, _, events in results
     ]
-    return choices, sum(r[2] for r in results)
+    return made, sum(r[2] for r in results)
 
 
 # chunk(index, piece or None for the usage-only chunk, usage): one streamed chunk
 _Chunk = Callable[[int, "Piece | None", "dict[str, int] | None"], dict[str, Any]]
 
 
+class _ChoicesResponse(StreamingResponse):
+    """Server-sent events that abort every unfinished choice once the response ends, however
+    it ends (done, client gone before or while streaming, send failed)."""
+
+    def __init__(self, content: AsyncIterator[str], choices: Choices) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self._choices = choices
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._choices.abort_unfinished()
+
+
 def _stream(
-    streams: list[AsyncIterator[Piece]],
+    choices: Choices,
     chunk: _Chunk,
     prompt_tokens: int,
     include_usage: bool,
@@ -118,11 +141,11 @@ def _stream(
     becomes an error event."""
 
     async def events() -> AsyncIterator[str]:
-        counts = [0] * len(streams)
+        counts = [0] * len(choices.streams)
         for event in first or []:
             yield _sse(event)
         try:
-            async for index, piece in merge_pieces(streams):
+            async for index, piece in merge_pieces(choices.streams):
                 counts[index] = piece.completion_tokens
                 if piece.text or piece.finish_reason:
                     yield _sse(chunk(index, piece, None))
@@ -134,7 +157,7 @@ def _stream(
             yield _sse(chunk(0, None, usage(prompt_tokens, sum(counts))))
         yield _sse("[DONE]")
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    return _ChoicesResponse(events(), choices)
 
 
 def _prompt_ids(context: ServingContext, prompt: str | list[int]) -> list[int]:
@@ -152,6 +175,10 @@ def _prompt_ids(context: ServingContext, prompt: str | list[int]) -> list[int]:
     return ids
 
 
+# most choices (prompts x n) one request may ask for
+MAX_CHOICES = 1024
+
+
 def _jobs(
     context: ServingContext,
     body: GenerationRequest,
@@ -164,6 +191,12 @@ def _jobs(
     """(prompt ids, sampling params) of every choice: ``body.n`` per prompt, prompt by prompt.
     With a seed, choice ``j`` of a prompt samples with seed + j (as vLLM), so the ``n``
     choices differ and each repeats."""
+    if len(prompts) * body.n > MAX_CHOICES:
+        raise APIError(
+            f"{len(prompts)} prompts x n={body.n} is {len(prompts) * body.n} choices, over the "
+            f"{MAX_CHOICES} one request may ask for: send fewer prompts or a smaller n",
+            param="n",
+        )
     jobs = []
     for ids in prompts:
         kwargs = sampling_kwargs(body, limit, len(ids), context.max_context, field, logprobs)
@@ -215,10 +248,12 @@ def build_app(context: ServingContext) -> Starlette:
         given = body.prompt_list()
         prompts = [_prompt_ids(context, prompt) for prompt in given]
         # echo: each choice starts with its prompt (and, with logprobs, the prompt's)
-        echoes = [p if isinstance(p, str) else _decode(context, p) for p in given]
+        echoes = (
+            [p if isinstance(p, str) else _decode(context, p) for p in given] if body.echo else []
+        )
         scored = body.logprobs if body.echo else None
         jobs = _jobs(context, body, prompts, body.max_tokens, "prompt", body.logprobs, scored)
-        streams = run_requests(context, jobs, body.stop_strings())
+        choices = run_requests(context, jobs, body.stop_strings())
         rid = new_id("cmpl")
         # each prompt is counted once, whatever n (as OpenAI's usage)
         prompt_tokens = sum(len(ids) for ids in prompts)
@@ -230,8 +265,8 @@ def build_app(context: ServingContext) -> Starlette:
 
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)
-            offsets = [0] * len(streams)  # each choice's token text so far, for text_offset
-            started = [False] * len(streams)
+            offsets = [0] * len(jobs)  # each choice's token text so far, for text_offset
+            started = [False] * len(jobs)
 
             def chunk(index: int, piece: Piece | None, counts: Any) -> dict[str, Any]:
                 if piece is None:
@@ -248,17 +283,15 @@ def build_app(context: ServingContext) -> Starlette:
                     rid, body.model, index, text, piece.finish_reason, None, logprobs
                 )
 
-            return _stream(streams, chunk, prompt_tokens, include)
+            return _stream(choices, chunk, prompt_tokens, include)
 
         def whole(events: list[Any]) -> dict[str, Any]:
             return completion_logprobs(events, token_text, 0, echo=body.echo)
 
-        choices, count = await _collect_all(streams, whole if wants_logprobs else None)
+        made, count = await _collect_all(choices, whole if wants_logprobs else None)
         if body.echo:
-            choices = [(echoed(i) + text, f, lp) for i, (text, f, lp) in enumerate(choices)]
-        return JSONResponse(
-            completion_response(rid, body.model, choices, usage(prompt_tokens, count))
-        )
+            made = [(echoed(i) + text, f, lp) for i, (text, f, lp) in enumerate(made)]
+        return JSONResponse(completion_response(rid, body.model, made, usage(prompt_tokens, count)))
 
     async def chat(request: Request) -> Response:
         body: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
@@ -266,7 +299,7 @@ def build_app(context: ServingContext) -> Starlette:
         ids = _chat_ids(context, body)
         logprob_count = body.logprob_count()
         jobs = _jobs(context, body, [ids], body.token_limit(), "messages", logprob_count)
-        streams = run_requests(context, jobs, body.stop_strings())
+        choices = run_requests(context, jobs, body.stop_strings())
         rid = new_id("chatcmpl")
         token_text = _token_text(context)
 
@@ -286,9 +319,9 @@ def build_app(context: ServingContext) -> Starlette:
 
             opening = {"role": "assistant", "content": ""}
             first = [chat_chunk(rid, body.model, i, opening, None, None) for i in range(body.n)]
-            return _stream(streams, chunk, len(ids), include, first)
-        choices, count = await _collect_all(streams, wants)
-        return JSONResponse(chat_response(rid, body.model, choices, usage(len(ids), count)))
+            return _stream(choices, chunk, len(ids), include, first)
+        made, count = await _collect_all(choices, wants)
+        return JSONResponse(chat_response(rid, body.model, made, usage(len(ids), count)))
 
     async def models(request: Request) -> Response:
         card = {
@@ -300,6 +333,9 @@ def build_app(context: ServingContext) -> Starlette:
         return JSONResponse({"object": "list", "data": [card]})
 
     async def health(request: Request) -> Response:
+        if not getattr(context.backend, "running", True):  # the generation loop has stopped
+            body = {"status": "error", "model": context.model_name}
+            return JSONResponse(body, status_code=503)
         return JSONResponse({"status": "ok", "model": context.model_name})
 
     async def api_error(request: Request, exc: Exception) -> Response:

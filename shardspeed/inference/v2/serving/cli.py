@@ -112,7 +112,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     engine_config = engine_config_from_args(args)
-    if args.tp > 1 and "WORLD_SIZE" not in os.environ:
+    # a rank of a job of tp ranks serves (or follows); anything else launches that job (a
+    # WORLD_SIZE left in the environment by some other job does not count)
+    in_job = os.environ.get("WORLD_SIZE") == str(args.tp) and "RANK" in os.environ
+    if args.tp > 1 and not in_job:
         return _launch_ranks(args.tp, argv)
     serve(
         args.model,

@@ -18,6 +18,7 @@ from shardspeed.inference.v2.serving.detokenizer import TextAssembler
 from shardspeed.inference.v2.serving.protocol import APIError, GenerationRequest
 
 __all__ = [
+    "Choices",
     "GenerationBackend",
     "Piece",
     "ServingContext",
@@ -124,24 +125,43 @@ def run_request(
 ) -> AsyncIterator[Piece]:
     """Submit one request now (so a refusal is an error before any response starts) and
     return the async iterator of its text pieces."""
-    return run_requests(context, [(prompt_ids, params)], stops)[0]
+    return run_requests(context, [(prompt_ids, params)], stops).streams[0]
+
+
+@dataclass
+class Choices:
+    """The submitted choices of one response: their text-piece streams, in order, and
+    :meth:`abort_unfinished`, which stops every choice still generating whatever its stream's
+    state (an async generator never started never runs its own cleanup)."""
+
+    context: ServingContext
+    handles: list[Any]
+    streams: list[AsyncIterator[Piece]]
+
+    def abort_unfinished(self) -> None:
+        """Abort every choice whose request has not ended."""
+        for handle in self.handles:
+            if not getattr(handle, "done", False):
+                _abort(self.context.backend, handle.uid)
 
 
 def run_requests(
     context: ServingContext, jobs: list[tuple[list[int], Any]], stops: list[str]
-) -> list[AsyncIterator[Piece]]:
-    """Submit every (prompt ids, params) job now, the async iterators of their text pieces in
-    order. When the engine refuses one, those already submitted are aborted and the refusal is
+) -> Choices:
+    """Submit every (prompt ids, params) job now; their streams of text pieces in order. When
+    the engine refuses one (or fails), those already submitted are aborted and the refusal is
     the error: a response has all its choices or none."""
     handles: list[Any] = []
     try:
         for prompt_ids, params in jobs:
             handles.append(context.backend.submit(prompt_ids, params))
-    except ValueError as exc:  # the scheduler refuses a request that can never fit
+    except Exception as exc:
         for handle in handles:
             _abort(context.backend, handle.uid)
-        raise APIError(str(exc), param="max_tokens") from exc
-    return [_pieces(context, handle, stops) for handle in handles]
+        if isinstance(exc, ValueError):  # the scheduler refuses a request that can never fit
+            raise APIError(str(exc), param="max_tokens") from exc
+        raise
+    return Choices(context, handles, [_pieces(context, handle, stops) for handle in handles])
 
 
 async def merge_pieces(streams: list[AsyncIterator[Piece]]) -> AsyncIterator[tuple[int, Piece]]:

@@ -12,6 +12,7 @@ follower's wait never runs into the process group's timeout.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -31,12 +32,19 @@ HEARTBEAT_S = 60.0
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-def _broadcast(command: tuple[Any, ...] | None) -> tuple[Any, ...]:
-    """Rank 0's ``command``, on every rank."""
+def _broadcast(command: tuple[Any, ...] | None, device: torch.device | None) -> tuple[Any, ...]:
+    """Rank 0's ``command``, on every rank (``device``: the engine's, for NCCL: the thread that
+    sends may not have it current)."""
     box = [command]
-    comm.broadcast_object_list(box, src=0)
+    comm.broadcast_object_list(box, src=0, device=device)
     assert box[0] is not None
     return box[0]
+
+
+def _comm_device(engine: Any) -> torch.device | None:
+    """The device a broadcast for ``engine`` goes through: its GPU, None on CPU (gloo)."""
+    device = torch.device(getattr(getattr(engine, "model", None), "device", "cpu"))
+    return device if device.type == "cuda" else None
 
 
 class LockstepEngine:
@@ -47,6 +55,7 @@ class LockstepEngine:
         if comm.get_rank() != 0:
             raise RuntimeError("LockstepEngine runs on rank 0; the other ranks run follow().")
         self.engine = engine
+        self._device = _comm_device(engine)
         # one broadcast + call at a time, whichever thread (generation loop, heartbeat) makes it
         self._lock = threading.Lock()
         self._last = time.monotonic()
@@ -63,8 +72,29 @@ class LockstepEngine:
     def _send(self, command: tuple[Any, ...]) -> None:
         if self._stopped.is_set():
             raise RuntimeError("the tensor-parallel engine was stopped")
-        _broadcast(command)
+        _broadcast(command, self._device)
         self._last = time.monotonic()
+
+    def _run(self, command: tuple[Any, ...], call: Any) -> Any:
+        """Broadcast ``command``, then make ``call()`` here. A ValueError is the engine's own
+        check, raised on every rank alike; anything else (out of memory mid-forward, a lost
+        peer) may have left the ranks out of step, so the job is ended at once: the launcher
+        then stops every rank, instead of the followers waiting for a collective that never
+        comes."""
+        with self._lock:
+            self._send(command)
+            try:
+                return call()
+            except ValueError:
+                raise
+            except BaseException:
+                logger.critical(
+                    "serving rank 0: %s failed outside the engine's checks; the ranks may be "
+                    "out of step, ending the tensor-parallel job",
+                    command[0],
+                    exc_info=True,
+                )
+                os._exit(1)
 
     def put(
         self,
@@ -75,9 +105,10 @@ class LockstepEngine:
         """``engine.put`` on every rank (the logits are gathered on each)."""
         uids = [int(u) for u in batch_uids]
         tokens = [torch.as_tensor(t).cpu() for t in batch_tokens]
-        with self._lock:
-            self._send((_PUT, uids, tokens, do_checks))
-            return self.engine.put(uids, tokens, do_checks=do_checks)
+        return self._run(  # type: ignore[no-any-return]
+            (_PUT, uids, tokens, do_checks),
+            lambda: self.engine.put(uids, tokens, do_checks=do_checks),
+        )
 
     def put_scored(
         self,
@@ -90,21 +121,18 @@ class LockstepEngine:
         uids = [int(u) for u in batch_uids]
         tokens = [torch.as_tensor(t).cpu() for t in batch_tokens]
         scored = [int(u) for u in scored_uids]
-        with self._lock:
-            self._send((_SCORED, uids, tokens, scored, do_checks))
-            return self.engine.put_scored(uids, tokens, scored, do_checks=do_checks)
+        return self._run(  # type: ignore[no-any-return]
+            (_SCORED, uids, tokens, scored, do_checks),
+            lambda: self.engine.put_scored(uids, tokens, scored, do_checks=do_checks),
+        )
 
     def flush(self, uid: int) -> None:
         """``engine.flush`` on every rank."""
-        with self._lock:
-            self._send((_FLUSH, int(uid)))
-            self.engine.flush(uid)
+        self._run((_FLUSH, int(uid)), lambda: self.engine.flush(uid))
 
     def clear_prefix_cache(self) -> int:
         """``engine.clear_prefix_cache`` on every rank."""
-        with self._lock:
-            self._send((_CLEAR,))
-            return int(self.engine.clear_prefix_cache())
+        return int(self._run((_CLEAR,), self.engine.clear_prefix_cache))
 
     def _beat(self, every: float) -> None:
         while not self._stopped.wait(min(every, 5.0)):
@@ -115,13 +143,21 @@ class LockstepEngine:
                     self._send((_NOOP,))
                     self.heartbeats += 1
 
-    def stop(self) -> None:
-        """Release the other ranks from :func:`follow` (once)."""
-        with self._lock:
+    def stop(self, timeout: float = 30.0) -> None:
+        """Release the other ranks from :func:`follow` (once). When a call still holds the
+        engine after ``timeout`` seconds (a stuck generation thread) the followers are left to
+        the launcher, which stops the whole job once this rank exits."""
+        if not self._lock.acquire(timeout=timeout):
+            logger.error("serving rank 0: the engine stayed busy; not releasing the other ranks")
+            self._stopped.set()
+            return
+        try:
             if self._stopped.is_set():
                 return
-            _broadcast((_STOP,))
+            _broadcast((_STOP,), self._device)
             self._stopped.set()
+        finally:
+            self._lock.release()
         self._heartbeat.join(timeout=10)
 
 
@@ -142,8 +178,9 @@ def follow(engine: Any) -> int:
 
 def _follow(engine: Any) -> int:
     calls = 0
+    device = _comm_device(engine)
     while True:
-        command = _broadcast(None)
+        command = _broadcast(None, device)
         kind = command[0]
         if kind == _STOP:
             return calls
