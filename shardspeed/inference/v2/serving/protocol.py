@@ -292,21 +292,29 @@ def chat_logprobs(events: list[Any], token_text: Callable[[int], str]) -> dict[s
     }
 
 
+def _body(
+    rid: str, kind: str, model: str, choices: list[dict[str, Any]], counts: dict[str, int] | None
+) -> dict[str, Any]:
+    """The envelope every response and chunk shares."""
+    return {
+        "id": rid,
+        "object": kind,
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": counts,
+    }
+
+
 def completion_response(
     rid: str, model: str, choices: list[Choice], counts: dict[str, int]
 ) -> dict[str, Any]:
     """A whole ``text_completion`` body; ``choices`` by index."""
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
-            {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}
-            for i, (text, finish, logprobs) in enumerate(choices)
-        ],
-        "usage": counts,
-    }
+    made = [
+        {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        for i, (text, finish, logprobs) in enumerate(choices)
+    ]
+    return _body(rid, "text_completion", model, made, counts)
 
 
 def completion_chunk(
@@ -320,41 +328,24 @@ def completion_chunk(
 ) -> dict[str, Any]:
     """One streamed ``text_completion`` chunk of choice ``index``; ``text=None`` is the
     usage-only last chunk."""
-    choices = (
-        []
-        if text is None
-        else [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]
-    )
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-        "usage": counts,
-    }
+    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+    return _body(rid, "text_completion", model, [] if text is None else [choice], counts)
 
 
 def chat_response(
     rid: str, model: str, choices: list[Choice], counts: dict[str, int]
 ) -> dict[str, Any]:
     """A whole ``chat.completion`` body; ``choices`` by index."""
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs,
-                "finish_reason": finish,
-            }
-            for i, (text, finish, logprobs) in enumerate(choices)
-        ],
-        "usage": counts,
-    }
+    made = [
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": logprobs,
+            "finish_reason": finish,
+        }
+        for i, (text, finish, logprobs) in enumerate(choices)
+    ]
+    return _body(rid, "chat.completion", model, made, counts)
 
 
 def chat_chunk(
@@ -368,16 +359,5 @@ def chat_chunk(
 ) -> dict[str, Any]:
     """One streamed ``chat.completion.chunk`` of choice ``index``; ``delta=None`` is the
     usage-only last chunk."""
-    choices = (
-        []
-        if delta is None
-        else [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]
-    )
-    return {
-        "id": rid,
-        "object": "chat.completion.chunk",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-        "usage": counts,
-    }
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+    return _body(rid, "chat.completion.chunk", model, [] if delta is None else [choice], counts)
