@@ -29,6 +29,7 @@ def test_lockstep_serving_keeps_every_rank_in_step(dist_pool):
     assert "KV" in first["refused"] or "max_context" in first["refused"], first
     assert second["calls"] == 9  # 5 puts, flush, refused put, put, clear
     assert first["heartbeats"] >= 3  # ~6 while idle 1.2 s at 0.2 s
+    assert first["reads"] and "_state" in first["blocked"]  # reads pass, the rest do not
     for key in ("free_blocks", "tracked", "seen"):
         assert first[key] == second[key], key
     assert first["tracked"] == [True, False] and first["seen"] == 9 + 4 + 1

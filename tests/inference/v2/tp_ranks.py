@@ -91,6 +91,11 @@ def lockstep_serving(heartbeat_s: float) -> dict[str, Any]:
         out["cleared"] = lock.clear_prefix_cache()
         out["tokens"] = tokens
         out["heartbeats"] = lock.heartbeats
+        out["reads"] = lock.free_blocks == engine.free_blocks
+        try:  # the state manager would change this rank's engine alone
+            lock._state.flush_sequence(1)
+        except AttributeError as exc:
+            out["blocked"] = str(exc)
         lock.stop()
         lock.stop()  # twice is harmless
     else:

@@ -28,6 +28,13 @@ __all__ = ["LockstepEngine", "follow"]
 
 _PUT, _SCORED, _FLUSH = "put", "put_scored", "flush"
 _CLEAR, _NOOP, _STOP = "clear_prefix_cache", "noop", "stop"
+# InferenceEngineV2's attributes that only read its state (the same on every rank)
+_READS = frozenset({
+    "free_blocks", "total_blocks", "kv_block_size", "max_context", "config", "model",
+    "cached_blocks", "evicted_blocks", "n_tracked_sequences", "prefix_index_size", "tracked",
+    "seen_tokens", "prefix_match", "get_remaining_block_capacity", "query", "can_schedule",
+    "computed_tokens", "prefix_hit_tokens",
+})  # fmt: skip
 HEARTBEAT_S = 60.0
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -67,6 +74,14 @@ class LockstepEngine:
         self._heartbeat.start()
 
     def __getattr__(self, name: str) -> Any:
+        # only what reads the engine: a call that changed it here alone would put the ranks
+        # out of step, so a new changing method must be broadcast above before it is reached
+        if name not in _READS:
+            raise AttributeError(
+                f"LockstepEngine has no {name!r}: only the engine's reads ({', '.join(sorted(_READS))}) "
+                "and its broadcast calls (put, put_scored, flush, clear_prefix_cache) reach the "
+                "tensor-parallel engine"
+            )
         return getattr(self.engine, name)
 
     def _send(self, command: tuple[Any, ...]) -> None:
