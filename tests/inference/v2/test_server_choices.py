@@ -222,3 +222,22 @@ def test_too_many_choices_and_a_seed_past_int64_are_400s(client: Any) -> None:
     assert caught.value.body["param"] == "n"
     with pytest.raises(openai.BadRequestError, match="seed"):
         client.completions.create(model=NAME, prompt="w1", max_tokens=1, seed=2**63)
+
+
+def test_health_is_503_once_the_generation_loop_stopped(model_dir: Path) -> None:
+    from starlette.testclient import TestClient
+
+    from shardspeed.inference.v2.serving.app import build_app
+    from shardspeed.inference.v2.serving.generation import ServingContext
+    from shardspeed.inference.v2.serving.server import load_generator
+
+    cache = {"memory_config": {"mode": "allocate", "size": 16}}
+    loaded = load_generator(str(model_dir), engine_config={"state_manager": cache})
+    context = ServingContext(
+        loaded.generator, loaded.tokenizer, NAME, loaded.max_context, loaded.params_factory
+    )
+    with TestClient(build_app(context)) as http:
+        assert http.get("/health").status_code == 200
+        loaded.shutdown()  # the loop thread ends
+        reply = http.get("/health")
+        assert reply.status_code == 503 and reply.json()["status"] == "error"
