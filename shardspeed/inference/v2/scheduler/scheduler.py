@@ -432,6 +432,7 @@ class _Batch:
         self.scheduler = scheduler
         self.chunks: dict[int, ScheduledChunk] = {}
         self.blocks: dict[int, int] = {}
+        self.blocks_taken = 0  # sum(self.blocks.values()), kept as chunks come and go
         self.budget = scheduler.token_budget
 
     @property
@@ -443,7 +444,7 @@ class _Batch:
         """Add up to ``want`` of ``request``'s pending tokens if the KV cache has room for at
         least one; ``admit`` moves it from the waiting queue to the running set."""
         engine = self.scheduler.engine
-        free = engine.free_blocks - sum(self.blocks.values())
+        free = engine.free_blocks - self.blocks_taken
         tokens, blocks = engine.query(request.uid, want, free)
         if tokens <= 0:
             return False
@@ -455,6 +456,7 @@ class _Batch:
             request.uid, request.computed, tokens, samples=tokens == request.pending
         )
         self.blocks[request.uid] = blocks
+        self.blocks_taken += blocks
         self.budget -= tokens
         return True
 
@@ -463,4 +465,4 @@ class _Batch:
         chunk = self.chunks.pop(uid, None)
         if chunk is not None:
             self.budget += chunk.length
-            del self.blocks[uid]
+            self.blocks_taken -= self.blocks.pop(uid)
