@@ -9,19 +9,9 @@ from pathlib import Path
 import pytest
 
 from shardspeed.inference.v2.pipeline import Pipeline, Response, pipeline
-from tests.inference.v2.serve_model import Reference, save_tiny_llama
+from tests.inference.v2.serve_model import Reference
 
 PROMPTS = ["w1 w2", "w5 w9 w13 w7", "w40", "w3 w3 w3 w3 w3 w3", "w11 w12 w13 w14 w15 w16 w17"]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
-
-
-@pytest.fixture(scope="module")
-def reference(model_dir: Path) -> Reference:
-    return Reference(model_dir)
 
 
 @pytest.fixture(scope="module")

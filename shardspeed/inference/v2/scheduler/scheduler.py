@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -262,7 +262,10 @@ class RaggedScheduler:
             if chunk.samples:
                 event = self._sample(request, logits[i], greedy[i], stops[i])
                 if i in with_logprobs:
-                    event = with_logprobs[i](event)
+                    row, top = with_logprobs[i]
+                    event = dataclasses.replace(
+                        event, logprob=float(row[event.token]), top_logprobs=top
+                    )
                 if request.params.prompt_logprobs is not None and len(request.generated) == 1:
                     event = dataclasses.replace(
                         event, prompt_logprobs=tuple(request.prompt_entries)
@@ -364,12 +367,23 @@ class RaggedScheduler:
         self._waiting.appendleft(request)
 
 
+def _top_pairs(scores: torch.Tensor, k: int) -> list[tuple[tuple[int, float], ...]]:
+    """Per row of log-probabilities ``scores``: its ``k`` most likely (token, log-probability),
+    most likely first."""
+    if not k:
+        return [()] * scores.shape[0]
+    values, ids = scores.topk(k, dim=-1)
+    return [
+        tuple(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)
+    ]
+
+
 def _logprobs(
     logits: torch.Tensor, requests: list[Request], chunks: list[ScheduledChunk]
-) -> dict[int, Callable[[TokenEvent], TokenEvent]]:
-    """For each row whose request asked for ``logprobs`` and samples this step: a function
-    adding the drawn token's log-probability and the top ones to its event (one log-softmax
-    and one top-k over those rows of the raw logits)."""
+) -> dict[int, tuple[torch.Tensor, tuple[tuple[int, float], ...]]]:
+    """For each row whose request asked for ``logprobs`` and samples this step: its
+    log-probabilities and its top tokens (one log-softmax and one top-k over those rows of
+    the raw logits)."""
     rows = [
         i
         for i, (r, c) in enumerate(zip(requests, chunks, strict=True))
@@ -378,20 +392,9 @@ def _logprobs(
     if not rows:
         return {}
     scores = logits[rows].float().log_softmax(dim=-1)
-    most = max(int(requests[i].params.logprobs or 0) for i in rows)
-    top_values, top_ids = scores.topk(most, dim=-1) if most else (scores[:, :0], scores[:, :0])
-    top = list(zip(top_ids.tolist(), top_values.tolist(), strict=True))
-
-    def adder(j: int, k: int) -> Callable[[TokenEvent], TokenEvent]:
-        def add(event: TokenEvent) -> TokenEvent:
-            ids, values = top[j]
-            pairs = tuple((int(t), float(v)) for t, v in zip(ids[:k], values[:k], strict=True))
-            logprob = float(scores[j, event.token])
-            return dataclasses.replace(event, logprob=logprob, top_logprobs=pairs)
-
-        return add
-
-    return {i: adder(j, int(requests[i].params.logprobs or 0)) for j, i in enumerate(rows)}
+    counts = [int(requests[i].params.logprobs or 0) for i in rows]
+    tops = _top_pairs(scores, max(counts))
+    return {i: (scores[j], tops[j][: counts[j]]) for j, i in enumerate(rows)}
 
 
 # rows of a scored chunk's logits turned into log-probabilities at once (bounds the float copy
@@ -417,12 +420,8 @@ def _record_prompt_logprobs(request: Request, chunk: ScheduledChunk, logits: tor
         targets = prompt[chunk.start + a + 1 : chunk.start + b + 1]
         index = torch.tensor(targets, device=scores.device)[:, None]
         values = scores.gather(1, index)[:, 0].tolist()
-        top_values, top_ids = scores.topk(k, dim=-1) if k else (scores[:, :0], scores[:, :0])
-        for token, value, ids, tops in zip(
-            targets, values, top_ids.tolist(), top_values.tolist(), strict=True
-        ):
-            pairs = tuple((int(t), float(v)) for t, v in zip(ids, tops, strict=True))
-            entries.append((token, float(value), pairs))
+        for token, value, top in zip(targets, values, _top_pairs(scores, k), strict=True):
+            entries.append((token, float(value), top))
 
 
 class _Batch:

@@ -11,6 +11,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -199,8 +200,8 @@ def _jobs(
         )
     jobs = []
     for ids in prompts:
-        kwargs = sampling_kwargs(body, limit, len(ids), context.max_context, field, logprobs)
-        kwargs["prompt_logprobs"] = prompt_logprobs
+        kwargs = sampling_kwargs(body, limit, len(ids), context.max_context, field)
+        kwargs.update(logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         for j in range(body.n):
             seed = None if body.seed is None else body.seed + j
             jobs.append((ids, context.params_factory(**{**kwargs, "seed": seed})))
@@ -285,9 +286,7 @@ def build_app(context: ServingContext) -> Starlette:
 
             return _stream(choices, chunk, prompt_tokens, include)
 
-        def whole(events: list[Any]) -> dict[str, Any]:
-            return completion_logprobs(events, token_text, 0, echo=body.echo)
-
+        whole = partial(completion_logprobs, token_text=token_text, offset=0, echo=body.echo)
         made, count = await _collect_all(choices, whole if wants_logprobs else None)
         if body.echo:
             made = [(echoed(i) + text, f, lp) for i, (text, f, lp) in enumerate(made)]
@@ -302,11 +301,7 @@ def build_app(context: ServingContext) -> Starlette:
         choices = run_requests(context, jobs, body.stop_strings())
         rid = new_id("chatcmpl")
         token_text = _token_text(context)
-
-        def logprobs(events: list[Any]) -> dict[str, Any]:
-            return chat_logprobs(events, token_text)
-
-        wants = logprobs if logprob_count is not None else None
+        wants = None if logprob_count is None else partial(chat_logprobs, token_text=token_text)
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)
 

@@ -78,11 +78,9 @@ def sampling_kwargs(
     prompt_len: int,
     max_context: int,
     field: str,
-    logprobs: int | None = None,
 ) -> dict[str, Any]:
     """``SamplingParams`` keyword arguments for ``request``; ``limit`` is its ``max_tokens``
-    (None: the rest of the context); ``logprobs``: how many top tokens to report per token
-    (None: none). ``field`` names the prompt's field in errors."""
+    (None: the rest of the context). ``field`` names the prompt's field in errors."""
     room = max_context - prompt_len
     if room < 1:
         raise APIError(
@@ -109,7 +107,6 @@ def sampling_kwargs(
         "do_sample": not greedy,
         "seed": request.seed,
         "ignore_eos": request.ignore_eos,
-        "logprobs": logprobs,
     }
 
 

@@ -2,12 +2,12 @@
 
 With AutoTP each rank holds a shard of the model and of the KV cache, and every forward pass is
 a collective. Rank 0 runs the HTTP server and the scheduler over a :class:`LockstepEngine`:
-each call that changes the engine (``put``, ``put_scored``, ``flush``, ``clear_prefix_cache``)
+each call that changes the engine (``put``/``put_scored``, ``flush``, ``clear_prefix_cache``)
 is first broadcast to the other ranks, which run :func:`follow` (the same call on their own
-engine, in the same order) until rank 0 broadcasts the stop. Reads (``query``, ``free_blocks``, ...) need no
-message: every rank's block tables change only through those calls, so they are the same on
-every rank. While idle, rank 0 broadcasts a no-op every ``heartbeat_s`` seconds, so a
-follower's wait never runs into the process group's timeout.
+engine, in the same order) until rank 0 broadcasts the stop. Reads (``query``,
+``free_blocks``, ...) need no message: every rank's block tables change only through those
+calls, so they are the same on every rank. While idle, rank 0 broadcasts a no-op every
+``heartbeat_s`` seconds, so a follower's wait never runs into the process group's timeout.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from shardspeed.utils.logging import logger
 
 __all__ = ["LockstepEngine", "follow"]
 
-_PUT, _SCORED, _FLUSH = "put", "put_scored", "flush"
-_CLEAR, _NOOP, _STOP = "clear_prefix_cache", "noop", "stop"
+_PUT, _FLUSH, _CLEAR = "put_scored", "flush", "clear_prefix_cache"
+_NOOP, _STOP = "noop", "stop"
 # InferenceEngineV2's attributes that only read its state (the same on every rank)
 _READS = frozenset({
     "free_blocks", "total_blocks", "kv_block_size", "max_context", "config", "model",
@@ -78,9 +78,9 @@ class LockstepEngine:
         # out of step, so a new changing method must be broadcast above before it is reached
         if name not in _READS:
             raise AttributeError(
-                f"LockstepEngine has no {name!r}: only the engine's reads ({', '.join(sorted(_READS))}) "
-                "and its broadcast calls (put, put_scored, flush, clear_prefix_cache) reach the "
-                "tensor-parallel engine"
+                f"LockstepEngine has no {name!r}: only the engine's reads "
+                f"({', '.join(sorted(_READS))}) and its broadcast calls (put, put_scored, flush, "
+                "clear_prefix_cache) reach the tensor-parallel engine"
             )
         return getattr(self.engine, name)
 
@@ -118,12 +118,7 @@ class LockstepEngine:
         do_checks: bool = True,
     ) -> torch.Tensor:
         """``engine.put`` on every rank (the logits are gathered on each)."""
-        uids = [int(u) for u in batch_uids]
-        tokens = [torch.as_tensor(t).cpu() for t in batch_tokens]
-        return self._run(  # type: ignore[no-any-return]
-            (_PUT, uids, tokens, do_checks),
-            lambda: self.engine.put(uids, tokens, do_checks=do_checks),
-        )
+        return self.put_scored(batch_uids, batch_tokens, (), do_checks)[0]
 
     def put_scored(
         self,
@@ -132,12 +127,12 @@ class LockstepEngine:
         scored_uids: Iterable[int],
         do_checks: bool = True,
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """``engine.put_scored`` on every rank."""
+        """``engine.put_scored`` on every rank (what ``put`` is, with nothing scored)."""
         uids = [int(u) for u in batch_uids]
         tokens = [torch.as_tensor(t).cpu() for t in batch_tokens]
         scored = [int(u) for u in scored_uids]
         return self._run(  # type: ignore[no-any-return]
-            (_SCORED, uids, tokens, scored, do_checks),
+            (_PUT, uids, tokens, scored, do_checks),
             lambda: self.engine.put_scored(uids, tokens, scored, do_checks=do_checks),
         )
 
@@ -204,9 +199,6 @@ def _follow(engine: Any) -> int:
         calls += 1
         try:
             if kind == _PUT:
-                _, uids, tokens, do_checks = command
-                engine.put(uids, tokens, do_checks=do_checks)
-            elif kind == _SCORED:
                 _, uids, tokens, scored, do_checks = command
                 engine.put_scored(uids, tokens, scored, do_checks=do_checks)
             elif kind == _FLUSH:
