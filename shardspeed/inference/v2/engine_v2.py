@@ -168,6 +168,11 @@ class InferenceEngineV2:
         ids = tokens.reshape(-1).tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
         return len(self._state.match_prefix(ids)) * self._block_size
 
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the logits ``put`` returns: the model's vocabulary size."""
+        return int(self._model.vocab_size)
+
     def get_remaining_block_capacity(self, uid: int) -> int:
         """Free token slots in the blocks ``uid`` already holds (0 for an unknown uid)."""
         seq = self._state.get_sequence(uid)

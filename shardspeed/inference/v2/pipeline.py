@@ -58,6 +58,7 @@ class Pipeline:
         top_k: int = 0,
         seed: int | None = None,
         ignore_eos: bool = False,
+        repetition_penalty: float = 1.0,
         stop: str | list[str] | None = None,
         return_full_text: bool = False,
     ) -> list[Response]:
@@ -78,6 +79,7 @@ class Pipeline:
             top_k=top_k,
             seed=seed,
             ignore_eos=ignore_eos,
+            repetition_penalty=repetition_penalty,
         )
         generator = self._loaded.generator
         prompt_ids = [list(self.tokenizer(p)["input_ids"]) for p in batch]

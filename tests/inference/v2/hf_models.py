@@ -4,9 +4,11 @@ by the engine, scheduler and serving tests."""
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import torch
+from transformers.generation.logits_process import LogitsProcessor
 
 from tests.inference import models
 
@@ -54,8 +56,9 @@ def last_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def greedy(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int) -> list[int]:
-    """Hugging Face ``generate(do_sample=False)``'s ``new_tokens`` tokens after ``ids`` (1-D)."""
+def greedy(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, **kwargs: Any) -> list[int]:
+    """Hugging Face ``generate(do_sample=False)``'s ``new_tokens`` tokens after ``ids`` (1-D);
+    ``kwargs`` go to ``generate`` too (penalties, logits processors)."""
     out = model.generate(
         ids[None],
         attention_mask=torch.ones_like(ids[None]),
@@ -63,5 +66,21 @@ def greedy(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int) -> list[i
         min_new_tokens=new_tokens,
         do_sample=False,
         pad_token_id=0,
+        **kwargs,
     )
     return [int(t) for t in out[0, ids.numel() :]]
+
+
+class OpenAIPenalties(LogitsProcessor):
+    """OpenAI's frequency and presence penalties as a ``generate`` logits processor, written
+    out token by token over the tokens after the prompt (``prompt_len`` of them)."""
+
+    def __init__(self, prompt_len: int, frequency: float, presence: float) -> None:
+        self.prompt_len, self.frequency, self.presence = prompt_len, frequency, presence
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        out = scores.clone()
+        for row, ids in enumerate(input_ids[:, self.prompt_len :].tolist()):
+            for token, count in collections.Counter(ids).items():
+                out[row, token] -= self.frequency * count + self.presence
+        return out

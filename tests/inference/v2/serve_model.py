@@ -77,13 +77,15 @@ class Reference:
         )
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def generate_ids(self, ids: list[int], max_new_tokens: int) -> list[int]:
+    def generate_ids(self, ids: list[int], max_new_tokens: int, **kwargs: Any) -> list[int]:
+        """Greedy ``generate`` after ``ids``; ``kwargs`` go to ``generate`` too."""
         with torch.no_grad():
             out = self.model.generate(
                 torch.tensor([ids]),
                 attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
+                **kwargs,
             )
         return [int(t) for t in out[0, len(ids) :]]
 

@@ -53,6 +53,16 @@ def test_single_prompt_full_text_and_stop(pipe: Pipeline, reference: Reference) 
 
 
 @pytest.mark.timeout(300)
+def test_repetition_penalty_equals_hf_generate(pipe: Pipeline, reference: Reference) -> None:
+    prompt = "w11 w12 w13"  # greedy repeats w18 a lot
+    ids = reference.prompt_ids(prompt)
+    expected = reference.generate_ids(ids, 12, repetition_penalty=1.8)
+    assert expected != reference.generate_ids(ids, 12)
+    [out] = pipe(prompt, max_new_tokens=12, repetition_penalty=1.8)
+    assert out.generated_text == reference.tokenizer.decode(expected, skip_special_tokens=True)
+
+
+@pytest.mark.timeout(300)
 def test_bad_arguments(model_dir: Path, pipe: Pipeline) -> None:
     with pytest.raises(ValueError, match="max_batch_token"):
         pipeline(str(model_dir), max_batch_token=8)

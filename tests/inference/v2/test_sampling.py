@@ -8,6 +8,8 @@ from pydantic import ValidationError
 from transformers.generation.logits_process import (
     LogitsProcessorList,
     MinNewTokensLengthLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -15,6 +17,7 @@ from transformers.generation.logits_process import (
 
 from shardspeed.inference.v2.scheduler.sampling import (
     SamplingParams,
+    adjust_logits,
     make_generator,
     sample,
     warp_logits,
@@ -117,6 +120,11 @@ def test_suppress_equals_hf_min_new_tokens() -> None:
         ({"max_new_tokens": 0}, "max_new_tokens"),
         ({"max_new_tokens": 2, "min_new_tokens": 3}, "min_new_tokens"),
         ({"top_q": 0.5}, "top_q"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"presence_penalty": -3.0}, "presence_penalty"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"logit_bias": {5: float("inf")}}, "logit_bias"),
     ],
 )
 def test_bad_params_name_the_field(kwargs: dict[str, float], needle: str) -> None:
@@ -127,3 +135,47 @@ def test_bad_params_name_the_field(kwargs: dict[str, float], needle: str) -> Non
 def test_sample_refuses_batched_logits() -> None:
     with pytest.raises(ValueError, match="one request"):
         sample(torch.zeros(2, 5), SamplingParams())
+
+
+def test_bias_and_repetition_penalty_equal_hf_processors() -> None:
+    """Hugging Face's order (sequence bias, then repetition penalty over prompt + generated)
+    on logits of both signs, with repeated tokens in the history."""
+    torch.manual_seed(3)
+    logits = torch.randn(80) * 4
+    prompt, generated = [5, 9, 9, 40, 2], [11, 5, 63, 11]
+    bias = {5: 3.5, 11: -2.0, 70: 1.25}
+    params = SamplingParams(logit_bias=bias, repetition_penalty=1.7)
+    ours = adjust_logits(logits, params, torch.tensor(prompt), generated)
+    hf = LogitsProcessorList(
+        [
+            SequenceBiasLogitsProcessor({(t,): b for t, b in bias.items()}),
+            RepetitionPenaltyLogitsProcessor(1.7),
+        ]
+    )
+    theirs = hf(torch.tensor([prompt + generated]), logits[None].clone())[0]
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    assert not torch.equal(ours, logits)  # the adjustment is not vacuous
+    assert torch.equal(logits, logits.clone())  # and the input is left as it was
+
+
+def test_frequency_and_presence_penalties_count_generated_tokens_only() -> None:
+    """OpenAI's definition, written out token by token: logit - count * frequency -
+    (count > 0) * presence, counting generated tokens, never the prompt's."""
+    torch.manual_seed(4)
+    logits = torch.randn(50)
+    prompt, generated = [7, 7, 8], [3, 3, 3, 9, 7]
+    params = SamplingParams(frequency_penalty=0.6, presence_penalty=-1.1)
+    ours = adjust_logits(logits, params, torch.tensor(prompt), generated)
+    expected = logits.clone()
+    for token in range(50):
+        count = generated.count(token)
+        expected[token] -= 0.6 * count + (-1.1 if count else 0.0)
+    torch.testing.assert_close(ours, expected)
+    assert ours[8] == logits[8]  # a prompt-only token is not penalised
+    # nothing generated yet: nothing to penalise
+    torch.testing.assert_close(adjust_logits(logits, params, torch.tensor(prompt), []), logits)
+
+
+def test_adjust_refuses_a_bias_outside_the_vocabulary() -> None:
+    with pytest.raises(ValueError, match="vocabulary has 50"):
+        adjust_logits(torch.zeros(50), SamplingParams(logit_bias={50: 1.0}), torch.tensor([1]), [])

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import functools
 import random
+from typing import Any
 
 import pytest
 import torch
+from transformers.generation.logits_process import LogitsProcessorList
 
 from shardspeed.inference.v2 import build_hf_engine
 from shardspeed.inference.v2.scheduler import RaggedScheduler, SamplingParams
@@ -102,6 +104,67 @@ def test_arrivals_over_time_sampled_equal_single_request_runs() -> None:
             model, torch.tensor(prompt), params.max_new_tokens
         )
     assert greedy_differs >= 4  # sampling really sampled
+
+
+ADJUSTMENTS: list[dict[str, Any]] = [
+    {},
+    {"repetition_penalty": 1.5, "logit_bias": {7: 2.0, 30: -1.5}},
+    {"frequency_penalty": 1.2, "presence_penalty": 0.7},
+    {"repetition_penalty": 0.8, "frequency_penalty": -0.5, "presence_penalty": 1.9,
+     "logit_bias": {3: 4.0}},
+]  # fmt: skip
+
+
+def _hf_adjusted(prompt: list[int], new: int, adjust: dict[str, Any]) -> list[int]:
+    """``generate``'s greedy tokens with the same bias and penalties (its own sequence bias and
+    repetition penalty, OpenAI's penalties as a logits processor after them)."""
+    kwargs: dict[str, Any] = {}
+    if "repetition_penalty" in adjust:
+        kwargs["repetition_penalty"] = adjust["repetition_penalty"]
+    if "logit_bias" in adjust:
+        kwargs["sequence_bias"] = {(t,): b for t, b in adjust["logit_bias"].items()}
+    if "frequency_penalty" in adjust:
+        penalties = hf_models.OpenAIPenalties(
+            len(prompt), adjust["frequency_penalty"], adjust["presence_penalty"]
+        )
+        kwargs["logits_processor"] = LogitsProcessorList([penalties])
+    return hf_models.greedy(_model(), torch.tensor(prompt), new, **kwargs)
+
+
+def test_bias_and_penalties_in_ragged_batches_equal_hf_generate() -> None:
+    """Requests with a logit bias, a repetition penalty and OpenAI's penalties share ragged
+    batches with plain ones: each gives ``generate``'s tokens with the same settings; sampled
+    with them, each equals its single-request run."""
+    work = _workload()
+    params = [
+        SamplingParams(max_new_tokens=m, **ADJUSTMENTS[i % 4]) for i, (_, m) in enumerate(work)
+    ]
+    outputs = _run_arriving(
+        RaggedScheduler(_engine(), token_budget=96),
+        [(p, q) for (p, _), q in zip(work, params, strict=True)],
+    )
+    changed = 0
+    for i, (prompt, new) in enumerate(work):
+        adjust = ADJUSTMENTS[i % 4]
+        assert outputs[i] == _hf_adjusted(prompt, new, adjust), f"request {i}: {adjust}"
+        if adjust and new > 4:
+            changed += outputs[i] != hf_models.greedy(_model(), torch.tensor(prompt), new)
+    assert changed >= 6  # the adjustments really changed the tokens
+    sampled = [
+        (p, SamplingParams(max_new_tokens=m, seed=50 + i, **SAMPLED, **ADJUSTMENTS[3]))
+        for i, (p, m) in enumerate(work[:8])
+    ]
+    outputs = _run_arriving(RaggedScheduler(_engine(), token_budget=96), sampled, every=1)
+    for i, (prompt, sampling) in enumerate(sampled):
+        assert outputs[i] == _alone(prompt, sampling), f"sampled request {i}"
+
+
+def test_a_bias_outside_the_vocabulary_is_refused_at_submission() -> None:
+    sched = RaggedScheduler(_engine())
+    vocab = sched.engine.vocab_size
+    with pytest.raises(ValueError, match=f"vocabulary has {vocab} tokens"):
+        sched.add_request([1, 2], SamplingParams(logit_bias={vocab: 1.0}))
+    assert not sched.has_work
 
 
 def test_splitfuse_splits_a_prompt_over_steps_with_decodes_riding_along() -> None:

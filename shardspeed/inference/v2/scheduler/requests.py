@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -68,6 +69,12 @@ class Request:
     preemptions: int = 0
     # prompt log-probabilities found so far (when asked): entry t is prompt token t's
     prompt_entries: list[PromptLogprob] = field(default_factory=list)
+
+    @functools.cached_property
+    def prompt_ids(self) -> torch.Tensor:
+        """The prompt as a tensor of token ids (made once: repetition penalties read it every
+        step)."""
+        return torch.tensor(self.prompt, dtype=torch.long)
 
     @property
     def scores_prompt(self) -> bool:

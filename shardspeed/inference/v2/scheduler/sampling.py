@@ -1,20 +1,30 @@
 """Per-request sampling: the parameters of one request and how its next token is drawn from the
 logits of its last position.
 
-Greedy decoding is ``argmax`` (the first of tied maxima, as Hugging Face ``generate``). Sampling
-applies, in Hugging Face's order, temperature, top-k and top-p to the logits and draws from their
-softmax with the request's own ``torch.Generator``, so a request's tokens depend on its seed and
-its logits only, never on what else shares its batch.
+Before greedy or sampled choice, ``adjust_logits`` applies a request's logit bias, repetition
+penalty and presence/frequency penalties (in Hugging Face's and vLLM's order: bias, then
+penalties). Greedy decoding is ``argmax`` (the first of tied maxima, as Hugging Face
+``generate``). Sampling applies, in Hugging Face's order, temperature, top-k and top-p to the
+logits and draws from their softmax with the request's own ``torch.Generator``, so a request's
+tokens depend on its seed and its logits only, never on what else shares its batch.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Sequence
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["SamplingParams", "make_generator", "sample", "suppress_tokens", "warp_logits"]
+__all__ = [
+    "SamplingParams",
+    "adjust_logits",
+    "make_generator",
+    "sample",
+    "suppress_tokens",
+    "warp_logits",
+]
 
 
 class SamplingParams(BaseModel):
@@ -31,6 +41,15 @@ class SamplingParams(BaseModel):
     top-k/top-p and stop-token suppression, as vLLM's default). ``prompt_logprobs`` (None:
     off) does the same for every prompt token after the first (its prompt is then computed
     whole, sharing no cached prefix), reported with the first generated token.
+
+    Logit adjustments, applied to greedy and sampled choice alike (not to the reported
+    log-probabilities): ``logit_bias`` adds its value to each token id's logit (OpenAI's
+    ``logit_bias``, Hugging Face's single-token ``sequence_bias``); ``repetition_penalty``
+    (1.0: off) divides the positive logits and multiplies the negative ones of every token in
+    the prompt or generated so far (Hugging Face's ``repetition_penalty``, as vLLM's);
+    ``frequency_penalty`` and ``presence_penalty`` (0: off, -2..2 as OpenAI's) subtract, from
+    each token's logit, the penalty times how often it was generated and the penalty once if
+    it was (OpenAI's definition: generated tokens only, not the prompt).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -46,6 +65,30 @@ class SamplingParams(BaseModel):
     ignore_eos: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
+    logit_bias: dict[int, float] = Field(default_factory=dict)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a bias or a penalty changes this request's logits."""
+        return bool(self.logit_bias) or (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
+
+    @model_validator(mode="after")
+    def _check_bias(self) -> SamplingParams:
+        """Token ids of ``logit_bias`` are ids (>= 0), their biases finite."""
+        bad = [t for t, b in self.logit_bias.items() if t < 0 or not math.isfinite(b)]
+        if bad:
+            raise ValueError(
+                f"logit_bias: token id(s) {bad[:4]} are negative or have a non-finite bias; "
+                "give token ids >= 0 and finite biases."
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_lengths(self) -> SamplingParams:
@@ -67,6 +110,36 @@ def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
     return generator
+
+
+def adjust_logits(
+    logits: torch.Tensor, params: SamplingParams, prompt: torch.Tensor, generated: Sequence[int]
+) -> torch.Tensor:
+    """A float32 copy of one request's ``logits`` (vocab,) after its ``logit_bias``,
+    ``repetition_penalty`` (over ``prompt``, its prompt's token ids, and ``generated``) and
+    ``frequency_penalty`` / ``presence_penalty`` (over ``generated`` only)."""
+    scores = logits.float().clone()
+    vocab = scores.shape[0]
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=scores.device)
+        if int(ids.max()) >= vocab:
+            raise ValueError(
+                f"logit_bias names token id {int(ids.max())}; the vocabulary has {vocab} tokens."
+            )
+        bias = torch.tensor(list(params.logit_bias.values()), device=scores.device)
+        scores.index_add_(0, ids, bias.to(scores.dtype))
+    out = torch.as_tensor(list(generated), dtype=torch.long, device=scores.device)
+    if params.repetition_penalty != 1.0:
+        seen = torch.cat([prompt.to(device=scores.device, dtype=torch.long), out])
+        picked = scores[seen]
+        penalty = params.repetition_penalty
+        scores[seen] = torch.where(picked < 0, picked * penalty, picked / penalty)
+    if out.numel() and (params.frequency_penalty or params.presence_penalty):
+        counts = torch.zeros_like(scores).index_add_(
+            0, out, torch.ones_like(out, dtype=scores.dtype)
+        )
+        scores -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    return scores
 
 
 def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

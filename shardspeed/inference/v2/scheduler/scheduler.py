@@ -28,6 +28,7 @@ from shardspeed.inference.v2.scheduler.requests import (
 )
 from shardspeed.inference.v2.scheduler.sampling import (
     SamplingParams,
+    adjust_logits,
     make_generator,
     sample,
     suppress_tokens,
@@ -162,6 +163,12 @@ class RaggedScheduler:
                 f"max_new_tokens {params.max_new_tokens} - 1) and the engine's max_context is "
                 f"{self.engine.max_context}; shorten the prompt or lower max_new_tokens."
             )
+        vocab = getattr(self.engine, "vocab_size", None)
+        if isinstance(vocab, int) and params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(
+                f"logit_bias names token id {max(params.logit_bias)}; the model's vocabulary "
+                f"has {vocab} tokens (ids 0..{vocab - 1})."
+            )
         block = self.engine.kv_block_size
         blocks = -(-cached // block)
         if blocks > self.engine.total_blocks:
@@ -255,6 +262,7 @@ class RaggedScheduler:
                 banned_tokens += ends
         if banned_rows:
             logits = suppress_tokens(logits, banned_rows, banned_tokens)
+        logits = _adjusted(logits, requests, chunks)
         greedy = logits.argmax(dim=-1).tolist()
         events = []
         for i, (request, chunk) in enumerate(zip(requests, chunks, strict=True)):
@@ -365,6 +373,25 @@ class RaggedScheduler:
         request.preemptions += 1
         self.num_preemptions += 1
         self._waiting.appendleft(request)
+
+
+def _adjusted(
+    logits: torch.Tensor, requests: list[Request], chunks: list[ScheduledChunk]
+) -> torch.Tensor:
+    """``logits`` with the rows of sampling requests that ask for a logit bias or penalties
+    adjusted (a copy when any is; the same tensor when none is)."""
+    rows = [
+        i
+        for i, (r, c) in enumerate(zip(requests, chunks, strict=True))
+        if c.samples and r.params.adjusts_logits
+    ]
+    if not rows:
+        return logits
+    out = logits.clone()
+    for i in rows:
+        request = requests[i]
+        out[i] = adjust_logits(logits[i], request.params, request.prompt_ids, request.generated)
+    return out
 
 
 def _top_pairs(scores: torch.Tensor, k: int) -> list[tuple[tuple[int, float], ...]]:

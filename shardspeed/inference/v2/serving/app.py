@@ -198,6 +198,13 @@ def _jobs(
             f"{MAX_CHOICES} one request may ask for: send fewer prompts or a smaller n",
             param="n",
         )
+    vocab = len(context.tokenizer)
+    outside = [t for t in body.token_bias() if t >= vocab]
+    if outside:
+        raise APIError(
+            f"logit_bias: token ids {outside[:4]} are outside the vocabulary of {vocab} tokens",
+            param="logit_bias",
+        )
     jobs = []
     for ids in prompts:
         kwargs = sampling_kwargs(body, limit, len(ids), context.max_context, field)

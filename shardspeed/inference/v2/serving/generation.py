@@ -107,6 +107,10 @@ def sampling_kwargs(
         "do_sample": not greedy,
         "seed": request.seed,
         "ignore_eos": request.ignore_eos,
+        "logit_bias": request.token_bias(),
+        "repetition_penalty": request.repetition_penalty,
+        "frequency_penalty": request.frequency_penalty,
+        "presence_penalty": request.presence_penalty,
     }
 
 

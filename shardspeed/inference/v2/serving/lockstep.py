@@ -33,7 +33,7 @@ _READS = frozenset({
     "free_blocks", "total_blocks", "kv_block_size", "max_context", "config", "model",
     "cached_blocks", "evicted_blocks", "n_tracked_sequences", "prefix_index_size", "tracked",
     "seen_tokens", "prefix_match", "get_remaining_block_capacity", "query", "can_schedule",
-    "computed_tokens", "prefix_hit_tokens",
+    "computed_tokens", "prefix_hit_tokens", "vocab_size",
 })  # fmt: skip
 HEARTBEAT_S = 60.0
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)

@@ -4,8 +4,8 @@
 Requests keep OpenAI's field names and defaults (``max_tokens`` 16 for completions, unbounded
 for chat; ``temperature`` 1.0, i.e. sampling unless 0). Fields OpenAI defines that this server
 does not implement are refused by name when set to a non-default value, so a client never gets
-silently different behaviour. ``top_k``, ``min_tokens`` and ``ignore_eos`` are extensions (as
-vLLM's), passed through the client's ``extra_body``.
+silently different behaviour. ``top_k``, ``min_tokens``, ``ignore_eos`` and
+``repetition_penalty`` are extensions (as vLLM's), passed through the client's ``extra_body``.
 """
 
 from __future__ import annotations
@@ -85,28 +85,29 @@ class GenerationRequest(_Strict):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # int64, as OpenAI's
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # extensions (vLLM's names)
     top_k: int = Field(0, ge=0)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, value: float) -> float:
-        if value != 0.0:
-            raise ValueError("penalties are not supported: leave them at 0")
-        return value
+    repetition_penalty: float = Field(1.0, gt=0.0)
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
-            raise ValueError("logit_bias is not supported: leave it unset")
+    def _bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"logit_bias keys are token ids (digit strings), got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values lie in -100..100, got {bias} for {key}")
         return value
+
+    def token_bias(self) -> dict[int, float]:
+        """``logit_bias`` keyed by token id."""
+        return {int(key): float(bias) for key, bias in (self.logit_bias or {}).items()}
 
     @field_validator("stop")
     @classmethod
