@@ -220,7 +220,7 @@ def _v2_mode(base: Any, args: argparse.Namespace) -> tuple[Any, Callable[[int], 
         state_manager={
             "max_context": context,
             "max_ragged_batch_size": args.token_budget,
-            "max_ragged_sequence_count": args.requests,
+            "max_ragged_sequence_count": args.max_sequences or args.requests,
             "max_tracked_sequences": args.requests,
             "kv_block_size": args.block_size,
             "memory_config": {"mode": "allocate", "size": args.kv_blocks},
@@ -253,6 +253,9 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=8, help="static batch size (HF, v1)")
     parser.add_argument("--token-budget", type=int, default=512, help="v2 tokens per step")
+    parser.add_argument(
+        "--max-sequences", type=int, default=None, help="v2 sequences per step (default: all)"
+    )
     parser.add_argument("--block-size", type=int, default=16, help="v2 KV block size")
     parser.add_argument("--kv-blocks", type=int, default=2048, help="v2 KV blocks")
     parser.add_argument("--threads", type=int, default=2)
@@ -341,6 +344,7 @@ def main() -> None:
                     "output": [args.out_min, args.out_max],
                     "static_batch": args.batch,
                     "token_budget": args.token_budget,
+                    "max_sequences": args.max_sequences or args.requests,
                 },
                 "threads": args.threads,
                 "rounds": args.rounds,

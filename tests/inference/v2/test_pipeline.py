@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -70,3 +71,40 @@ def test_bad_arguments(model_dir: Path, pipe: Pipeline) -> None:
         pipe([1, 2], max_new_tokens=2)  # type: ignore[list-item]
     with pytest.raises(ValueError, match="max_context"):
         pipeline(str(model_dir), state_manager={"max_context": 10_000})
+
+
+@pytest.mark.timeout(300)
+def test_serve_flags_bound_each_steps_sequences(model_dir: Path, reference: Reference) -> None:
+    """``shardspeed serve --max-num-seqs 2 --max-batch-tokens 24``: the loaded scheduler takes
+    at most 2 sequences and 24 tokens a step, and 5 prompts still give HF's tokens."""
+    from shardspeed.inference.v2.serving.cli import build_parser, engine_config_from_args
+    from shardspeed.inference.v2.serving.server import load_generator
+
+    args = build_parser().parse_args(
+        ["--model", str(model_dir), "--max-num-seqs", "2", "--max-batch-tokens", "24"]
+    )
+    config = engine_config_from_args(args)
+    assert config["state_manager"]["max_ragged_sequence_count"] == 2
+    loaded = load_generator(str(model_dir), engine_config=config, max_batch_tokens=24)
+    scheduler = loaded.generator.scheduler
+    widest: list[int] = []
+    step = scheduler.step
+
+    def watched() -> list[Any]:
+        events = step()
+        widest.append(len(scheduler.last_step))
+        assert sum(c.length for c in scheduler.last_step) <= 24
+        return events
+
+    scheduler.step = watched
+    try:
+        prompts = ["w1 w2", "w5 w9 w13 w7", "w40", "w11 w12 w13", "w59 w0 w17"]
+        ids = [reference.prompt_ids(p) for p in prompts]
+        params = loaded.params_factory(max_new_tokens=6)
+        handles = [loaded.generator.submit(i, params) for i in ids]
+        for prompt_ids, handle in zip(ids, handles, strict=True):
+            tokens = [e.token for e in handle.events()]
+            assert tokens == reference.generate_ids(prompt_ids, 6)
+    finally:
+        loaded.shutdown()
+    assert max(widest) == 2  # the bound was reached and held

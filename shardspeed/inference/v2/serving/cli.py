@@ -39,6 +39,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokens per scheduler step (state_manager.max_ragged_batch_size; default 768)",
     )
     p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="most sequences per scheduler step (state_manager.max_ragged_sequence_count; "
+        "default 512): fewer bound each step's time, so the inter-token latency, at some "
+        "throughput",
+    )
+    p.add_argument(
         "--max-context",
         type=int,
         default=None,
@@ -70,6 +78,8 @@ def engine_config_from_args(args: argparse.Namespace) -> dict[str, Any]:
         state["max_context"] = args.max_context
     if args.max_batch_tokens is not None:
         state["max_ragged_batch_size"] = args.max_batch_tokens
+    if args.max_num_seqs is not None:
+        state["max_ragged_sequence_count"] = args.max_num_seqs
     if args.kv_block_size is not None:
         state["kv_block_size"] = args.kv_block_size
     if args.kv_blocks is not None:
