@@ -1,5 +1,6 @@
 """The Starlette application: OpenAI's ``/v1/completions`` and ``/v1/chat/completions`` (whole
-responses or server-sent events with ``stream``), ``/v1/models`` and ``/health``.
+responses or server-sent events with ``stream``), ``/v1/models``, ``/health`` and Prometheus's
+``/metrics``; with an API key, the ``/v1`` routes ask for it.
 
 Every error a client can cause is a 4xx JSON body in OpenAI's shape naming the field at fault;
 the server keeps serving after it.
@@ -17,10 +18,12 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from shardspeed.inference.v2.serving.auth import APIKeyAuth
 from shardspeed.inference.v2.serving.generation import (
     Choices,
     Piece,
@@ -29,6 +32,7 @@ from shardspeed.inference.v2.serving.generation import (
     run_requests,
     sampling_kwargs,
 )
+from shardspeed.inference.v2.serving.metrics import CONTENT_TYPE
 from shardspeed.inference.v2.serving.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -340,6 +344,9 @@ def build_app(context: ServingContext) -> Starlette:
             return JSONResponse(body, status_code=503)
         return JSONResponse({"status": "ok", "model": context.model_name})
 
+    async def metrics(request: Request) -> Response:
+        return Response(context.metrics.render(context.backend), media_type=CONTENT_TYPE)
+
     async def api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, APIError)
         return _error_response(exc)
@@ -356,6 +363,7 @@ def build_app(context: ServingContext) -> Starlette:
 
     routes = [
         Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
@@ -365,4 +373,7 @@ def build_app(context: ServingContext) -> Starlette:
         HTTPException: http_error,
         Exception: server_error,
     }
-    return Starlette(routes=routes, exception_handlers=handlers)
+    middleware = []
+    if context.api_key is not None:
+        middleware.append(Middleware(APIKeyAuth, key=context.api_key))
+    return Starlette(routes=routes, exception_handlers=handlers, middleware=middleware)

@@ -64,6 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-prefix-caching", action="store_true", help="do not share prompt-prefix KV blocks"
     )
     p.add_argument(
+        "--api-key",
+        default=os.environ.get("SHARDSPEED_API_KEY"),
+        help="require this key on /v1 requests ('Authorization: Bearer KEY', the OpenAI "
+        "client's api_key); default: $SHARDSPEED_API_KEY (which keeps it out of the process "
+        "list), else no key",
+    )
+    p.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
     return p
@@ -135,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         engine_config=engine_config,
         max_batch_tokens=args.max_batch_tokens,
         log_level=args.log_level,
+        api_key=args.api_key,
     )
     return 0
 

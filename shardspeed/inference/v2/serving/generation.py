@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from shardspeed.inference.v2.serving.detokenizer import TextAssembler
+from shardspeed.inference.v2.serving.metrics import ServingMetrics
 from shardspeed.inference.v2.serving.protocol import APIError, GenerationRequest
 
 __all__ = [
@@ -48,6 +49,11 @@ class ServingContext:
     max_context: int
     params_factory: Callable[..., Any]
     aliases: frozenset[str] = field(default_factory=frozenset)
+    api_key: str | None = None
+    metrics: ServingMetrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.metrics = ServingMetrics(self.model_name)
 
     def check_model(self, name: str) -> None:
         """404 unless ``name`` is the served model's name (or the path it was loaded from)."""
@@ -144,6 +150,7 @@ class Choices:
         for handle in self.handles:
             if not getattr(handle, "done", False):
                 _abort(self.context.backend, handle.uid)
+            self.context.metrics.ended(handle.uid, "abort")  # unless counted already
 
 
 def run_requests(
@@ -162,6 +169,8 @@ def run_requests(
         if isinstance(exc, ValueError):  # the scheduler refuses a request that can never fit
             raise APIError(str(exc), param="max_tokens") from exc
         raise
+    for handle, (prompt_ids, _) in zip(handles, jobs, strict=True):
+        context.metrics.submitted(handle.uid, len(prompt_ids))
     return Choices(context, handles, [_pieces(context, handle, stops) for handle in handles])
 
 
@@ -201,24 +210,30 @@ async def merge_pieces(streams: list[AsyncIterator[Piece]]) -> AsyncIterator[tup
 
 
 async def _pieces(context: ServingContext, handle: Any, stops: list[str]) -> AsyncIterator[Piece]:
-    """Yield one request's text as it is generated. Leaving early (the consumer closes this
-    generator: client gone) aborts the request in the engine."""
+    """Yield one request's text as it is generated (its tokens and latencies counted in the
+    metrics). Leaving early (the consumer closes this generator: client gone) aborts the
+    request in the engine."""
     text = TextAssembler(context.tokenizer, stops)
+    metrics = context.metrics
     count = 0
     done = False
+    reason = "abort"  # unless it ends otherwise
     read: list[Any] = []  # token events since the last piece
     try:
         async for event in handle:
+            metrics.token(handle.uid)
             count += 1
             read.append(event)
             last = bool(event.finished)
             out, stopped = text.add(int(event.token), last)
             if stopped:
+                reason = "stop"
                 yield Piece(out, "stop", count, read)
                 return  # ``done`` stays False: the engine is still generating it
             if last:
                 done = True
-                yield Piece(out, event.finish_reason or "stop", count, read)
+                reason = event.finish_reason or "stop"
+                yield Piece(out, reason, count, read)
                 return
             if out:
                 yield Piece(out, None, count, read)
@@ -226,5 +241,6 @@ async def _pieces(context: ServingContext, handle: Any, stops: list[str]) -> Asy
         done = True  # the handle ended without a finished event (aborted elsewhere)
         yield Piece("", "abort", count, read)
     finally:
+        metrics.ended(handle.uid, reason)
         if not done:
             _abort(context.backend, handle.uid)

@@ -167,9 +167,11 @@ def serve(
     engine_config: dict[str, Any] | None = None,
     max_batch_tokens: int | None = None,
     log_level: str = "info",
+    api_key: str | None = None,
 ) -> None:
     """Load ``model_path`` and serve it over HTTP until SIGINT/SIGTERM. ``port`` 0 takes a free
     port; the line ``shardspeed serve: listening on http://HOST:PORT`` names it. With
+    ``api_key`` the ``/v1`` routes answer only requests bearing it. With
     ``tensor_parallel.tp_size`` > 1 (every rank of a launched job calls this) rank 0 serves
     and the other ranks follow its engine calls."""
     import uvicorn
@@ -215,6 +217,7 @@ def serve(
         max_context=loaded.max_context,
         params_factory=loaded.params_factory,
         aliases=frozenset({model_path, os.path.abspath(model_path)}),
+        api_key=api_key or None,
     )
     config = uvicorn.Config(
         build_app(context),
