@@ -57,6 +57,8 @@ if [ "${GPU_CHECK_ONLY:-}" = serving ]; then
     --ignore tests/inference/v2/test_server.py --ignore tests/inference/v2/test_pipeline.py \
     --ignore tests/inference/v2/test_server_choices.py \
     --ignore tests/inference/v2/test_server_logprobs.py \
+    --ignore tests/inference/v2/test_server_penalties.py \
+    --ignore tests/inference/v2/test_server_ops.py \
     --ignore tests/inference/v2/test_server_tp.py --ignore tests/inference/v2/test_engine_v2_tp.py
   for dtype in float32 bfloat16; do
     # (GPU_CHECK_DEVICE=cpu GPU_CHECK_BENCH_ARGS=--tiny tries it on a CPU machine)
