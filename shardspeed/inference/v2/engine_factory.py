@@ -16,10 +16,11 @@ from shardspeed.inference.tp_plan import build_plan
 from shardspeed.inference.v2.config_v2 import RaggedInferenceEngineConfig
 from shardspeed.inference.v2.engine_v2 import InferenceEngineV2
 from shardspeed.inference.v2.model.ragged_lm import SUPPORTED_FAMILIES, RaggedCausalLM
+from shardspeed.inference.v2.serialization import is_serialized_engine, load_model
 from shardspeed.inference.weight_source import ModuleWeights
 from shardspeed.utils.logging import logger
 
-__all__ = ["build_hf_engine"]
+__all__ = ["build_engine_from_ds_checkpoint", "build_hf_engine"]
 
 
 def build_hf_engine(
@@ -34,6 +35,8 @@ def build_hf_engine(
     and every rank must make the same ``put``/``flush`` calls."""
     if engine_config is None or isinstance(engine_config, dict):
         engine_config = RaggedInferenceEngineConfig.from_dict(engine_config or {})
+    if not isinstance(path_or_model, nn.Module) and is_serialized_engine(path_or_model):
+        return build_engine_from_ds_checkpoint(path_or_model, engine_config, debug_level)
     if debug_level is not None:
         logger.setLevel(debug_level)
     model = _load(path_or_model, engine_config)
@@ -55,7 +58,29 @@ def build_hf_engine(
             source.close()
     else:
         model = model.to(device=device, dtype=dtype)
-    return InferenceEngineV2(RaggedCausalLM(model.eval()), engine_config)
+    return InferenceEngineV2(RaggedCausalLM(model.eval()), engine_config, tp)
+
+
+def build_engine_from_ds_checkpoint(
+    path: str | os.PathLike[str],
+    engine_config: RaggedInferenceEngineConfig | dict[str, Any] | None = None,
+    debug_level: int | None = None,
+) -> InferenceEngineV2:
+    """An engine from a folder written by :meth:`InferenceEngineV2.serialize`, with the
+    ``tensor_parallel.tp_size`` it was saved with: each rank loads its own saved shard (no
+    Hugging Face checkpoint read, no re-sharding). A DeepSpeed-written v2 checkpoint is refused
+    (pickled config, CUDA-kernel layouts): build from the Hugging Face checkpoint instead."""
+    if engine_config is None or isinstance(engine_config, dict):
+        engine_config = RaggedInferenceEngineConfig.from_dict(engine_config or {})
+    if debug_level is not None:
+        logger.setLevel(debug_level)
+    tp_config = engine_config.tensor_parallel
+    tp = resolve_tp_group(
+        DeepSpeedTPConfig(tp_size=tp_config.tp_size, tp_grain_size=tp_config.tp_grain_size)
+    )
+    device = torch.device(get_accelerator().current_device_name())
+    model, _ = load_model(path, tp, tp_config.tp_grain_size, engine_config.dtype, device)
+    return InferenceEngineV2(RaggedCausalLM(model), engine_config, tp)
 
 
 def _load(path_or_model: Any, config: RaggedInferenceEngineConfig) -> nn.Module:

@@ -10,18 +10,21 @@ Scheduling decisions (what to put when) belong to the caller; :meth:`query` and
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
 
 from shardspeed.accelerator import get_accelerator
+from shardspeed.inference.tp_group import SINGLE, TPGroup
 from shardspeed.inference.v2.config_v2 import AllocationMode, RaggedInferenceEngineConfig
 from shardspeed.inference.v2.model.ragged_lm import RaggedCausalLM
 from shardspeed.inference.v2.ragged.kv_cache import BlockedKVCache
 from shardspeed.inference.v2.ragged.paged_attention import RaggedBatchMetadata
 from shardspeed.inference.v2.ragged.state_manager import DSStateManager, TrackedSequence
 from shardspeed.inference.v2.scheduling_utils import SchedulingError, SchedulingResult
+from shardspeed.inference.v2.serialization import save_model
 from shardspeed.utils.logging import logger
 
 __all__ = ["InferenceEngineV2"]
@@ -39,10 +42,12 @@ class InferenceEngineV2:
         self,
         model: RaggedCausalLM | nn.Module,
         config: RaggedInferenceEngineConfig | dict | None = None,
+        tp: TPGroup = SINGLE,
     ) -> None:
         if config is None or isinstance(config, dict):
             config = RaggedInferenceEngineConfig.from_dict(config or {})
         self._config = config
+        self._tp = tp
         self._model = model if isinstance(model, RaggedCausalLM) else RaggedCausalLM(model)
         sm = config.state_manager
         self._block_size = sm.kv_block_size
@@ -360,6 +365,13 @@ class InferenceEngineV2:
                 f": the batch needs {needed_blocks} new KV blocks and {self._state.free_blocks} "
                 "are free; flush finished sequences or put fewer tokens.",
             )
+
+    def serialize(self, save_path: str | os.PathLike[str]) -> None:
+        """Save this rank's model under ``save_path`` (DeepSpeed's file names:
+        ``params_rank_{r}_of_{n}.pt``, ``metadata_rank_{r}_of_{n}.json``, and the config from
+        rank 0); every rank of a tensor-parallel engine calls it. ``build_hf_engine`` or
+        ``build_engine_from_ds_checkpoint`` on the folder loads it back without re-sharding."""
+        save_model(self._model.hf_model, self._model.family, save_path, self._tp)
 
     def flush(self, uid: int) -> None:
         """Forget sequence ``uid`` and free its KV blocks (ValueError when it is not tracked);

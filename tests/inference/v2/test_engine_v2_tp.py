@@ -33,3 +33,24 @@ def test_lockstep_serving_keeps_every_rank_in_step(dist_pool):
     for key in ("free_blocks", "tracked", "seen"):
         assert first[key] == second[key], key
     assert first["tracked"] == [True, False] and first["seen"] == 9 + 4 + 1
+
+
+@pytest.mark.timeout(300)
+def test_tp2_serialize_loads_back_each_ranks_shard(dist_pool, tmp_path):
+    """``serialize`` on 2 ranks writes DeepSpeed's per-rank file names; each rank's
+    ``build_engine_from_ds_checkpoint`` gives bitwise the logits the engine gave before, and
+    loading at another tp size names the saved one."""
+    families = ["llama", "gpt2"]
+    results = dist_pool(2).run(tp_ranks.serialize_round_trip, str(tmp_path), families)
+    for per_rank in results:
+        for family in families:
+            figures = per_rank[family]
+            assert figures["equal"], (family, figures)
+            assert {
+                "config.json",
+                "params_rank_0_of_2.pt",
+                "params_rank_1_of_2.pt",
+                "metadata_rank_0_of_2.json",
+                "metadata_rank_1_of_2.json",
+            } <= set(figures["files"]), figures
+            assert "tp_size=2" in figures["refused"], figures

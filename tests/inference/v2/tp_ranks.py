@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 from typing import Any
 
 from shardspeed import comm
@@ -104,3 +105,42 @@ def lockstep_serving(heartbeat_s: float) -> dict[str, Any]:
     out["tracked"] = [engine.tracked(u) for u in (1, 2)]
     out["seen"] = engine.seen_tokens(1)
     return out
+
+
+def serialize_round_trip(folder: str, families: list[str]) -> dict[str, dict[str, Any]]:
+    """Each family at tp = world: logits of a few ragged batches, ``serialize`` on every rank,
+    then ``build_engine_from_ds_checkpoint`` at the same tp: the same batches' logits, whether
+    they are bitwise equal, the folder's files, and the error of loading it at tp 1."""
+    from shardspeed.inference.v2 import build_engine_from_ds_checkpoint
+
+    world = comm.get_world_size()
+    config = {
+        "state_manager": {"kv_block_size": 4, "memory_config": {"mode": "allocate", "size": 48}},
+        "tensor_parallel": {"tp_size": world},
+    }
+    results: dict[str, dict[str, Any]] = {}
+    for family in families:
+        where = f"{folder}/{family}"
+        steps = [
+            {1: hm.tokens(9, 2), 2: hm.tokens(13, 1)},
+            {2: hm.tokens(4, 5), 3: hm.tokens(5, 3), 1: hm.tokens(1, 4)},
+        ]
+        engine = build_hf_engine(hm.build(family), config)
+        before = [engine.put(list(s), list(s.values())) for s in steps]
+        engine.serialize(where)
+        comm.barrier()  # rank 0's config is written before any rank loads
+        loaded = build_engine_from_ds_checkpoint(where, config)
+        after = [loaded.put(list(s), list(s.values())) for s in steps]
+        try:
+            build_engine_from_ds_checkpoint(where, {"state_manager": config["state_manager"]})
+            refused = ""
+        except ValueError as exc:
+            refused = str(exc)
+        results[family] = {
+            "equal": all(a.equal(b) for a, b in zip(before, after, strict=True)),
+            "files": sorted(os.listdir(where)),
+            "refused": refused,
+            "kv_heads": loaded.model.kv_heads,
+        }
+        comm.barrier()
+    return results
