@@ -157,6 +157,9 @@ def test_bias_and_penalties_in_ragged_batches_equal_hf_generate() -> None:
     outputs = _run_arriving(RaggedScheduler(_engine(), token_budget=96), sampled, every=1)
     for i, (prompt, sampling) in enumerate(sampled):
         assert outputs[i] == _alone(prompt, sampling), f"sampled request {i}"
+    # sampling draws from the adjusted distribution: a +100 bias is drawn every time
+    biased = SamplingParams(max_new_tokens=6, seed=7, **SAMPLED, logit_bias={41: 100.0})
+    assert _alone(work[0][0], biased) == [41] * 6
 
 
 def test_a_bias_outside_the_vocabulary_is_refused_at_submission() -> None:
@@ -249,6 +252,27 @@ def test_thousand_random_requests_with_aborts_return_every_block() -> None:
     assert engine.prefix_index_size == engine.cached_blocks
     engine.clear_prefix_cache()
     assert engine.prefix_index_size == 0 and engine.free_blocks == engine.total_blocks
+
+
+def test_one_step_admits_no_more_sequences_than_the_engine_tracks() -> None:
+    """8 requests waiting at once for an engine that tracks 3 sequences: each step admits
+    only what the engine has room for (a step admitting more fails its put), and every
+    request still gives its HF tokens."""
+    engine = _engine(max_tracked_sequences=3)
+    sched = RaggedScheduler(engine, token_budget=256)
+    work = _workload()[:8]
+    uids = [sched.add_request(p, SamplingParams(max_new_tokens=min(m, 6))) for p, m in work]
+    outputs: dict[int, list[int]] = {}
+    most = 0
+    while sched.has_work:
+        for event in sched.step():
+            outputs.setdefault(event.uid, []).append(event.token)
+        most = max(most, engine.n_tracked_sequences)
+        assert sched.num_running <= 3
+    assert most <= 3
+    for uid, (prompt, new) in zip(uids, work, strict=True):
+        expected = hf_models.greedy(_model(), torch.tensor(prompt), min(new, 6))
+        assert outputs[uid] == expected
 
 
 def test_real_engine_too_big_and_abort() -> None:

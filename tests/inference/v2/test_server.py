@@ -256,6 +256,8 @@ def test_a_client_leaving_aborts_its_request(model_dir: Path) -> None:
             await pieces.aclose()  # type: ignore[attr-defined]
 
         asyncio.run(read_one_piece_then_leave())
+        # the metrics count it once, as aborted, and keep nothing of it
+        assert context.metrics.finished["abort"] == 1 and not context.metrics._open
         [handle] = backend.handles
         tokens = handle.result(timeout=60)
         assert handle.finish_reason == "abort" and len(tokens) < 400

@@ -137,6 +137,7 @@ def test_a_refused_prompt_leaves_no_choice_running(model_dir: Path) -> None:
             run_requests(context, jobs, [])
         assert len(submitted) == 2
         _all_aborted(submitted, 100)
+        assert context.metrics.prompt_tokens == 0  # a refused request counts for nothing
 
         async def two_streams_then_leave() -> None:
             from shardspeed.inference.v2.serving.generation import merge_pieces
@@ -150,6 +151,7 @@ def test_a_refused_prompt_leaves_no_choice_running(model_dir: Path) -> None:
         asyncio.run(two_streams_then_leave())
         assert len(submitted) == 2
         _all_aborted(submitted, 100)  # leaving the merged stream aborts every choice
+        assert context.metrics.finished["abort"] == 2 and not context.metrics._open
     finally:
         loaded.shutdown()
 
@@ -171,11 +173,10 @@ def test_a_stream_whose_client_is_gone_aborts_every_choice(model_dir: Path) -> N
     )
     try:
         backend = _Recording(loaded.generator)
-        app = build_app(
-            ServingContext(
-                backend, loaded.tokenizer, NAME, loaded.max_context, loaded.params_factory
-            )
+        context = ServingContext(
+            backend, loaded.tokenizer, NAME, loaded.max_context, loaded.params_factory
         )
+        app = build_app(context)
         body = json.dumps({
             "model": NAME, "messages": [{"role": "user", "content": "w1"}], "n": 3,
             "max_tokens": 400, "stream": True, "ignore_eos": True,
@@ -211,6 +212,8 @@ def test_a_stream_whose_client_is_gone_aborts_every_choice(model_dir: Path) -> N
         asyncio.run(call())
         assert len(backend.handles) == 3 and sent[0]["status"] == 200
         _all_aborted(backend.handles, 400)
+        # each choice counted once, as aborted, whether its stream had started or not
+        assert context.metrics.finished["abort"] == 3 and not context.metrics._open
     finally:
         loaded.shutdown()
 

@@ -13,7 +13,6 @@ pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
-parser = pytest.importorskip("prometheus_client.parser")
 
 from shardspeed.inference.v2.serving.metrics import Histogram  # noqa: E402
 from tests.inference.v2.serve_model import (  # noqa: E402
@@ -29,6 +28,7 @@ NAME = SERVED_NAME
 def _scrape(server: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """Every sample of ``/metrics`` by (name, labels other than model_name), parsed by
     Prometheus's client library."""
+    parser = pytest.importorskip("prometheus_client.parser")
     reply = httpx.get(f"{server}/metrics", timeout=10.0)
     assert reply.status_code == 200
     assert reply.headers["content-type"].startswith("text/plain; version=0.0.4")
@@ -56,6 +56,7 @@ def test_metrics_count_tokens_reasons_and_latencies(server: str, client: Any) ->
     after = _scrape(server)
     m = "shardspeed:"
     assert _delta(before, after, m + "prompt_tokens_total") == 7
+    assert (m + "prefix_cache_hits_total", ()) in after
     assert _delta(before, after, m + "generation_tokens_total") == 5
     assert _delta(before, after, m + "request_success_total", finished_reason="length") == 1
     assert _delta(before, after, m + "request_success_total", finished_reason="stop") == 0
@@ -122,3 +123,34 @@ def test_api_key_guards_the_v1_routes(model_dir: Path, reference: Reference) -> 
         assert httpx.get(f"{url}/metrics", timeout=10.0).status_code == 200
     finally:
         stop_server(proc)
+
+
+def test_the_key_is_asked_everywhere_but_health_and_metrics(model_dir: Path) -> None:
+    """Deny by default, under a root path too; an empty key refuses to start."""
+    from starlette.testclient import TestClient
+
+    from shardspeed.inference.v2.serving.app import build_app
+    from shardspeed.inference.v2.serving.cli import main
+    from shardspeed.inference.v2.serving.generation import ServingContext
+    from shardspeed.inference.v2.serving.server import load_generator
+
+    cache = {"memory_config": {"mode": "allocate", "size": 16}}
+    loaded = load_generator(str(model_dir), engine_config={"state_manager": cache})
+    try:
+        context = ServingContext(
+            loaded.generator, loaded.tokenizer, NAME, loaded.max_context,
+            loaded.params_factory, api_key="k3y",
+        )  # fmt: skip
+        for root in ("", "/api"):
+            http = TestClient(build_app(context), root_path=root)
+            assert http.get(f"{root}/health").status_code == 200
+            assert http.get(f"{root}/metrics").status_code == 200
+            for path in ("/v1/models", "/nowhere", "/health/../v1/models"):
+                assert http.get(f"{root}{path}").status_code == 401, (root, path)
+            keyed = {"Authorization": "Bearer k3y"}
+            assert http.get(f"{root}/v1/models", headers=keyed).status_code == 200
+            assert http.get(f"{root}/nowhere", headers=keyed).status_code == 404
+    finally:
+        loaded.shutdown()
+    with pytest.raises(ValueError, match="API key is empty"):
+        main(["--model", str(model_dir), "--api-key", " "])

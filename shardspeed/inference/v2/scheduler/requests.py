@@ -34,6 +34,7 @@ class TokenEvent:
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
     prompt_logprobs: tuple[PromptLogprob, ...] | None = None
+    emitted_at: float = 0.0  # time.monotonic() when its step ended (0: not stamped)
 
 
 @dataclass(frozen=True)

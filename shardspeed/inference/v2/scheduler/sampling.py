@@ -56,7 +56,7 @@ class SamplingParams(BaseModel):
 
     max_new_tokens: int = Field(default=128, ge=1)
     min_new_tokens: int = Field(default=0, ge=0)
-    temperature: float = Field(default=1.0, gt=0.0)
+    temperature: float = Field(default=1.0, gt=0.0, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)
     do_sample: bool = False
@@ -66,7 +66,7 @@ class SamplingParams(BaseModel):
     logprobs: int | None = Field(default=None, ge=0, le=20)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     logit_bias: dict[int, float] = Field(default_factory=dict)
-    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, allow_inf_nan=False)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
 

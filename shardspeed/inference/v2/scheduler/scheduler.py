@@ -14,6 +14,7 @@ are those of an unpreempted run.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
@@ -121,6 +122,9 @@ class RaggedScheduler:
         self.engine = engine
         self.token_budget = token_budget
         self.max_sequences = max_sequences
+        # the engine tracks at most this many sequences: one step admits no more than it has
+        # room for (query only counts those tracked before the step)
+        self.max_tracked = _state_limit(engine, "max_tracked_sequences")
         self.eos_token_ids = eos
         self._waiting: deque[Request] = deque()
         # Insertion order is admission order: the last entry is the newest-admitted sequence.
@@ -264,11 +268,12 @@ class RaggedScheduler:
             logits = suppress_tokens(logits, banned_rows, banned_tokens)
         logits = _adjusted(logits, requests, chunks)
         greedy = logits.argmax(dim=-1).tolist()
+        now = time.monotonic()
         events = []
         for i, (request, chunk) in enumerate(zip(requests, chunks, strict=True)):
             request.computed += chunk.length
             if chunk.samples:
-                event = self._sample(request, logits[i], greedy[i], stops[i])
+                event = self._sample(request, logits[i], greedy[i], stops[i], now)
                 if i in with_logprobs:
                     row, top = with_logprobs[i]
                     event = dataclasses.replace(
@@ -297,11 +302,16 @@ class RaggedScheduler:
         return stops if request.params.ignore_eos else stops | self.eos_token_ids
 
     def _sample(
-        self, request: Request, logits: torch.Tensor, greedy: int, stops: frozenset[int]
+        self,
+        request: Request,
+        logits: torch.Tensor,
+        greedy: int,
+        stops: frozenset[int],
+        now: float,
     ) -> TokenEvent:
         """Draw ``request``'s next token from ``logits`` (its stop tokens already -inf before
         ``min_new_tokens``; ``greedy``: their argmax); finish it (flush) on a stop token or its
-        length."""
+        length. ``now``: the step's time stamp."""
         params = request.params
         token = sample(logits, params, request.generator) if params.do_sample else greedy
         request.generated.append(token)
@@ -313,7 +323,7 @@ class RaggedScheduler:
         if reason is not None:
             del self._running[request.uid]
             self.engine.flush(request.uid)
-        return TokenEvent(request.uid, token, reason is not None, reason)
+        return TokenEvent(request.uid, token, reason is not None, reason, emitted_at=now)
 
     # ------------------------------------------------------------------ batch composition
     def _compose(self) -> list[ScheduledChunk]:
@@ -460,6 +470,7 @@ class _Batch:
         self.blocks: dict[int, int] = {}
         self.blocks_taken = 0  # sum(self.blocks.values()), kept as chunks come and go
         self.budget = scheduler.token_budget
+        self.new_uids: set[int] = set()  # sequences this batch starts in the engine
 
     @property
     def full(self) -> bool:
@@ -470,10 +481,18 @@ class _Batch:
         """Add up to ``want`` of ``request``'s pending tokens if the KV cache has room for at
         least one; ``admit`` moves it from the waiting queue to the running set."""
         engine = self.scheduler.engine
+        starts = request.computed == 0  # untracked until this batch puts it
+        limit = self.scheduler.max_tracked
+        if starts and limit is not None:
+            tracked = int(getattr(engine, "n_tracked_sequences", 0))
+            if tracked + len(self.new_uids) >= limit:
+                return False
         free = engine.free_blocks - self.blocks_taken
         tokens, blocks = engine.query(request.uid, want, free)
         if tokens <= 0:
             return False
+        if starts:
+            self.new_uids.add(request.uid)
         if admit:
             self.scheduler._waiting.popleft()
             self.scheduler._running[request.uid] = request
@@ -489,6 +508,7 @@ class _Batch:
     def remove(self, uid: int) -> None:
         """Take ``uid``'s chunk out again (it was preempted)."""
         chunk = self.chunks.pop(uid, None)
+        self.new_uids.discard(uid)
         if chunk is not None:
             self.budget += chunk.length
             self.blocks_taken -= self.blocks.pop(uid)

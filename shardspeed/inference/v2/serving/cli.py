@@ -128,6 +128,12 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    if args.api_key is not None and not args.api_key.strip():
+        # an empty secret (a missing variable, say) must not quietly serve with no key
+        raise ValueError(
+            "the API key is empty (--api-key or SHARDSPEED_API_KEY): give the key, or unset "
+            "SHARDSPEED_API_KEY and drop --api-key to serve without one"
+        )
     engine_config = engine_config_from_args(args)
     # a rank of a job of tp ranks serves (or follows); anything else launches that job (a
     # WORLD_SIZE left in the environment by some other job does not count)

@@ -166,8 +166,9 @@ def run_requests(
     except Exception as exc:
         for handle in handles:
             _abort(context.backend, handle.uid)
-        if isinstance(exc, ValueError):  # the scheduler refuses a request that can never fit
-            raise APIError(str(exc), param="max_tokens") from exc
+        if isinstance(exc, ValueError):  # the scheduler refuses a request that can never run
+            field = "logit_bias" if str(exc).startswith("logit_bias") else "max_tokens"
+            raise APIError(str(exc), param=field) from exc
         raise
     for handle, (prompt_ids, _) in zip(handles, jobs, strict=True):
         context.metrics.submitted(handle.uid, len(prompt_ids))
@@ -218,10 +219,12 @@ async def _pieces(context: ServingContext, handle: Any, stops: list[str]) -> Asy
     count = 0
     done = False
     reason = "abort"  # unless it ends otherwise
+    ended_at = 0.0  # when the engine made its last token (0: unknown, now)
     read: list[Any] = []  # token events since the last piece
     try:
         async for event in handle:
-            metrics.token(handle.uid)
+            stamp = float(getattr(event, "emitted_at", 0.0))
+            metrics.token(handle.uid, stamp)
             count += 1
             read.append(event)
             last = bool(event.finished)
@@ -232,7 +235,7 @@ async def _pieces(context: ServingContext, handle: Any, stops: list[str]) -> Asy
                 return  # ``done`` stays False: the engine is still generating it
             if last:
                 done = True
-                reason = event.finish_reason or "stop"
+                reason, ended_at = event.finish_reason or "stop", stamp
                 yield Piece(out, reason, count, read)
                 return
             if out:
@@ -241,6 +244,6 @@ async def _pieces(context: ServingContext, handle: Any, stops: list[str]) -> Asy
         done = True  # the handle ended without a finished event (aborted elsewhere)
         yield Piece("", "abort", count, read)
     finally:
-        metrics.ended(handle.uid, reason)
+        metrics.ended(handle.uid, reason, ended_at)
         if not done:
             _abort(context.backend, handle.uid)

@@ -83,26 +83,27 @@ class ServingMetrics:
         self._open[uid] = [now, now, 0]
         self.prompt_tokens += prompt_tokens
 
-    def token(self, uid: int) -> None:
-        """Request ``uid`` produced a token now: its time to first token, or the time since
-        its previous token."""
+    def token(self, uid: int, at: float = 0.0) -> None:
+        """Request ``uid`` produced a token at ``at`` (``time.monotonic()``, when the step that
+        made it ended; 0: now): its time to first token, or the time since its previous
+        token."""
         state = self._open.get(uid)
         if state is None:
             return
-        now = time.monotonic()
-        (self.itl if state[2] else self.ttft).observe(now - state[1])
+        now = at or time.monotonic()
+        (self.itl if state[2] else self.ttft).observe(max(0.0, now - state[1]))
         state[1] = now
         state[2] += 1
         self.generation_tokens += 1
 
-    def ended(self, uid: int, reason: str) -> None:
-        """Request ``uid`` ended now ("stop", "length", or "abort": cancelled, or its client
-        gone); a request already ended is not counted twice."""
+    def ended(self, uid: int, reason: str, at: float = 0.0) -> None:
+        """Request ``uid`` ended at ``at`` (0: now) ("stop", "length", or "abort": cancelled,
+        or its client gone); a request already ended is not counted twice."""
         state = self._open.pop(uid, None)
         if state is None:
             return
         self.finished[reason if reason in FINISH_REASONS else "abort"] += 1
-        self.e2e.observe(time.monotonic() - state[0])
+        self.e2e.observe(max(0.0, (at or time.monotonic()) - state[0]))
 
     def render(self, backend: Any) -> str:
         """Every metric in Prometheus's text format; gauges read from ``backend`` (the
@@ -129,7 +130,7 @@ class ServingMetrics:
             (total - free) / total if total else 0.0)  # fmt: skip
         one("num_preemptions_total", "counter", "Sequences preempted to free KV-cache blocks.",
             int(getattr(scheduler, "num_preemptions", 0)))  # fmt: skip
-        one("prefix_cache_hit_tokens_total", "counter",
+        one("prefix_cache_hits_total", "counter",
             "Prompt tokens taken from the prefix cache instead of computed.",
             int(getattr(engine, "prefix_hit_tokens", 0)))  # fmt: skip
         one("prompt_tokens_total", "counter", "Prompt tokens of submitted requests.",

@@ -93,7 +93,7 @@ class GenerationRequest(_Strict):
     top_k: int = Field(0, ge=0)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
-    repetition_penalty: float = Field(1.0, gt=0.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)
 
     @field_validator("logit_bias")
     @classmethod

@@ -217,7 +217,7 @@ def serve(
         max_context=loaded.max_context,
         params_factory=loaded.params_factory,
         aliases=frozenset({model_path, os.path.abspath(model_path)}),
-        api_key=api_key or None,
+        api_key=api_key,
     )
     config = uvicorn.Config(
         build_app(context),
