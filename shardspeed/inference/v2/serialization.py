@@ -36,6 +36,7 @@ __all__ = [
 
 FORMAT = "shardspeed-inference-v2"
 VERSION = 1
+BUFFER = "non_persistent_buffer:"  # the key prefix of buffers outside the state dict
 DEEPSPEED_CONFIG = "ds_model_config.pkl"
 
 
@@ -90,6 +91,9 @@ def save_model(hf_model: nn.Module, family: str, path: str | os.PathLike[str], t
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     state = {name: t.detach() for name, t in hf_model.state_dict().items()}
+    # buffers outside the state dict (rotary inverse frequencies) too: their dtype depends on
+    # how the model was built and cast, and the logits on it
+    state.update({BUFFER + name: t.detach() for name, t in _non_persistent(hf_model).items()})
     # views of one fused weight (q/k/v, gate/up) are saved as what they show, each its own
     # tensor: a loader never has to trust an offset into some other tensor's storage
     state = {name: t.contiguous().clone() if _is_view(t) else t for name, t in state.items()}
@@ -119,6 +123,17 @@ def save_model(hf_model: nn.Module, family: str, path: str | os.PathLike[str], t
     _write_atomically(
         metadata_filename(folder, tp.rank, tp.size), lambda temp: Path(temp).write_text(text)
     )
+
+
+def _non_persistent(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's buffers that its state dict leaves out, by qualified name."""
+    found = {}
+    for module_name, module in model.named_modules():
+        for leaf in module._non_persistent_buffers_set:
+            buffer = module._buffers.get(leaf)
+            if buffer is not None:
+                found[f"{module_name}.{leaf}" if module_name else leaf] = buffer
+    return found
 
 
 def _is_view(tensor: torch.Tensor) -> bool:
@@ -234,12 +249,21 @@ def load_model(
         )
     with init_empty_weights():  # parameters on the meta device, buffers real
         model = AutoModelForCausalLM.from_config(config)
+    buffers = {k[len(BUFFER) :]: state.pop(k) for k in [k for k in state if k.startswith(BUFFER)]}
+    unknown = sorted(set(buffers) - set(_non_persistent(model)))
+    if unknown:
+        raise ValueError(f"{path}: saved buffers {unknown[:4]} are not in the model.")
     if tp.size > 1:
+        # the shards are made in the saved dtype, so copying the saved tensors in keeps it
+        saved = next((t.dtype for t in state.values() if t.is_floating_point()), None)
         plan = build_plan(model, tp.size, tp.rank, grain)
-        apply_plan(model, plan, tp, _Unwritten(model), None, torch.device("cpu"))
+        apply_plan(model, plan, tp, _Unwritten(model), saved, torch.device("cpu"))
         model.load_state_dict(state, strict=True)
     else:
         model.load_state_dict(state, strict=True, assign=True)
+    for name, tensor in buffers.items():
+        owner, _, leaf = name.rpartition(".")
+        model.get_submodule(owner)._buffers[leaf] = tensor
     model = model.to(device=device)
     if dtype is not None:
         model = model.to(dtype=dtype)

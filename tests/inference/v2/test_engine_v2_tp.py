@@ -40,7 +40,7 @@ def test_tp2_serialize_loads_back_each_ranks_shard(dist_pool, tmp_path):
     """``serialize`` on 2 ranks writes DeepSpeed's per-rank file names; each rank's
     ``build_engine_from_ds_checkpoint`` gives bitwise the logits the engine gave before, and
     loading at another tp size names the saved one."""
-    families = ["llama", "gpt2"]
+    families = ["llama", "gpt2", "llama:bfloat16"]
     results = dist_pool(2).run(tp_ranks.serialize_round_trip, str(tmp_path), families)
     for per_rank in results:
         for family in families:
@@ -54,3 +54,5 @@ def test_tp2_serialize_loads_back_each_ranks_shard(dist_pool, tmp_path):
                 "metadata_rank_1_of_2.json",
             } <= set(figures["files"]), figures
             assert "tp_size=2" in figures["refused"], figures
+            # each shard comes back in the dtype it was saved in
+            assert figures["dtype"] == ("torch.bfloat16" if "bf" in family else "torch.float32")

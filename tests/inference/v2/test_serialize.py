@@ -39,9 +39,11 @@ def _logits(engine: Any) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "mixtral", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mixtral", "gpt2", "llama:bfloat16"])
 def test_serialized_engine_gives_the_same_logits(family: str, tmp_path: Path) -> None:
-    engine = build_hf_engine(hm.build(family), CONFIG)
+    family, _, dtype = family.partition(":")
+    model = hm.build(family).to(getattr(torch, dtype or "float32"))
+    engine = build_hf_engine(model, CONFIG)
     before = _logits(engine)
     engine.serialize(tmp_path)
     names = sorted(os.listdir(tmp_path))
@@ -53,6 +55,7 @@ def test_serialized_engine_gives_the_same_logits(family: str, tmp_path: Path) ->
     ):
         after = _logits(loaded)
         assert all(a.equal(b) for a, b in zip(before, after, strict=True)), family
+        assert loaded.model.dtype == engine.model.dtype
     metadata = json.loads((tmp_path / "metadata_rank_0_of_1.json").read_text())
     assert metadata["policy"] == family and metadata["tp_size"] == 1
     # serializing again over the folder replaces it whole

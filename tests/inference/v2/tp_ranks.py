@@ -6,6 +6,8 @@ import copy
 import os
 from typing import Any
 
+import torch
+
 from shardspeed import comm
 from shardspeed.inference.v2 import build_hf_engine
 from tests.inference.v2 import hf_models as hm
@@ -119,13 +121,15 @@ def serialize_round_trip(folder: str, families: list[str]) -> dict[str, dict[str
         "tensor_parallel": {"tp_size": world},
     }
     results: dict[str, dict[str, Any]] = {}
-    for family in families:
-        where = f"{folder}/{family}"
+    for name in families:
+        family, _, dtype = name.partition(":")  # "llama:bfloat16": that family in that dtype
+        where = f"{folder}/{name}"
         steps = [
             {1: hm.tokens(9, 2), 2: hm.tokens(13, 1)},
             {2: hm.tokens(4, 5), 3: hm.tokens(5, 3), 1: hm.tokens(1, 4)},
         ]
-        engine = build_hf_engine(hm.build(family), config)
+        model = hm.build(family)
+        engine = build_hf_engine(model.to(getattr(torch, dtype or "float32")), config)
         before = [engine.put(list(s), list(s.values())) for s in steps]
         engine.serialize(where)
         comm.barrier()  # rank 0's config is written before any rank loads
@@ -136,8 +140,9 @@ def serialize_round_trip(folder: str, families: list[str]) -> dict[str, dict[str
             refused = ""
         except ValueError as exc:
             refused = str(exc)
-        results[family] = {
+        results[name] = {
             "equal": all(a.equal(b) for a, b in zip(before, after, strict=True)),
+            "dtype": str(loaded.model.dtype),
             "files": sorted(os.listdir(where)),
             "refused": refused,
             "kv_heads": loaded.model.kv_heads,
