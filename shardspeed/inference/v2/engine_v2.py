@@ -214,6 +214,14 @@ class InferenceEngineV2:
     def can_schedule(self, uids: Iterable[int], lengths: Iterable[int]) -> SchedulingResult:
         """Whether a batch giving each of ``uids`` its ``lengths`` new tokens can run now."""
         uids, lengths = list(uids), list(lengths)
+        return self._schedule_result(uids, lengths, [0] * len(uids))
+
+    def _schedule_result(
+        self, uids: list[int], lengths: list[int], cached: list[int]
+    ) -> SchedulingResult:
+        """``can_schedule``, where ``cached[i]`` of sequence ``i``'s new tokens come from the
+        prefix cache: they cost no compute, so ``max_ragged_batch_size`` does not count them
+        (the KV check still does: an upper bound)."""
         sm = self._config.state_manager
         if len(uids) > sm.max_ragged_sequence_count:
             return SchedulingResult.BatchSequenceLimitExceeded
@@ -222,7 +230,7 @@ class InferenceEngineV2:
         # they save in new blocks, so the no-hit estimate below is an upper bound
         free = self._state.free_blocks
         batch_tokens = 0
-        for uid, length in zip(uids, lengths, strict=True):
+        for uid, length, hit in zip(uids, lengths, cached, strict=True):
             seq = self._state.get_sequence(uid)
             tracked += seq is None
             if (0 if seq is None else seq.seen_tokens) + length > self._max_context:
@@ -231,7 +239,7 @@ class InferenceEngineV2:
             if tokens != length:
                 return SchedulingResult.KVCacheLimitExceeded
             free -= blocks
-            batch_tokens += length
+            batch_tokens += length - hit
         if tracked > sm.max_tracked_sequences:
             return SchedulingResult.EngineSequenceLimitExceeded
         if batch_tokens > sm.max_ragged_batch_size:
@@ -263,7 +271,7 @@ class InferenceEngineV2:
         uids = [int(u) for u in batch_uids]
         runs = [torch.as_tensor(t).reshape(-1).to(torch.int64) for t in batch_tokens]
         scored = {int(u) for u in scored_uids}
-        self._check_batch(uids, runs, do_checks)
+        self._check_batch(uids, runs, do_checks, scored)
 
         seqs: list[TrackedSequence] = []
         new_runs: list[torch.Tensor] = []
@@ -311,8 +319,15 @@ class InferenceEngineV2:
         every = {uid: logits[a:b] for uid, (a, b) in spans.items()}
         return logits[: len(uids)], every
 
-    def _check_batch(self, uids: list[int], runs: list[torch.Tensor], do_checks: bool) -> None:
-        """ValueError (nothing changed) for a batch that cannot run as given."""
+    def _check_batch(
+        self,
+        uids: list[int],
+        runs: list[torch.Tensor],
+        do_checks: bool,
+        scored: set[int] | frozenset[int] = frozenset(),
+    ) -> None:
+        """ValueError (nothing changed) for a batch that cannot run as given (``scored``: new
+        sequences that will take nothing from the prefix cache)."""
         if len(uids) != len(runs) or not uids:
             raise ValueError(
                 f"put needs one token tensor per uid and at least one uid; got {len(uids)} "
@@ -346,7 +361,13 @@ class InferenceEngineV2:
                 )
             needed_blocks += self._kv_requirements(seq, run.numel(), 1 << 62)[1]
         if do_checks:
-            result = self.can_schedule(uids, [r.numel() for r in runs])
+            cached = [
+                self.prefix_match(run)
+                if uid not in scored and self._state.get_sequence(uid) is None
+                else 0
+                for uid, run in zip(uids, runs, strict=True)
+            ]
+            result = self._schedule_result(uids, [r.numel() for r in runs], cached)
             if result != SchedulingResult.Success:
                 sm = self._config.state_manager
                 raise SchedulingError(

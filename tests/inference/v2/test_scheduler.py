@@ -275,6 +275,54 @@ def test_one_step_admits_no_more_sequences_than_the_engine_tracks() -> None:
         assert outputs[uid] == expected
 
 
+def test_choices_of_one_prompt_compute_it_once() -> None:
+    """4 seeded choices of one 50-token prompt and an unrelated prompt, all waiting at once:
+    the first choice computes the prompt, the others wait for it and then compute only the
+    2 tokens past its 3 cached blocks of 16, while the unrelated prompt is admitted at once;
+    every choice still equals its single-request run."""
+    prompt, other = hf_models.tokens(50, seed=7).tolist(), hf_models.tokens(30, seed=8).tolist()
+    engine = _engine(block_size=16)
+    sched = RaggedScheduler(engine, token_budget=128)
+    choices = [SamplingParams(max_new_tokens=5, seed=60 + j, **SAMPLED) for j in range(4)]
+    uids = [sched.add_request(prompt, params) for params in choices]
+    alone = sched.add_request(other, SamplingParams(max_new_tokens=5))
+    first = sched.step()
+    assert {c.uid for c in sched.last_step} == {uids[0], alone}  # the siblings wait
+    outputs = sched.run_to_completion()
+    for event in first:
+        outputs.setdefault(event.uid, []).insert(0, event.token)
+    # 50 + 3 x 2 prompt tokens, 30, and 4 fed-back tokens per request
+    assert engine.computed_tokens == 50 + 3 * 2 + 30 + 5 * 4
+    assert engine.prefix_hit_tokens == 3 * 48
+    for uid, params in zip(uids, choices, strict=True):
+        assert outputs[uid] == _alone(prompt, params)
+    assert len({tuple(outputs[u]) for u in uids}) > 1  # the seeds really differ
+
+
+def test_cached_prompt_tokens_take_no_budget() -> None:
+    """A 205-token prompt whose first 192 tokens are cached (an earlier request's prompt) runs
+    its whole prompt in one step under a 32-token budget: only its 13 new tokens count, in the
+    scheduler and in the engine's max_ragged_batch_size check alike; its tokens are HF's."""
+    engine = _engine(block_size=16, max_ragged_batch_size=32)
+    sched = RaggedScheduler(engine, token_budget=32)
+    shared = hf_models.tokens(200, seed=9).tolist()
+    first = sched.add_request(shared, SamplingParams(max_new_tokens=2))
+    sched.run_to_completion()
+    assert first not in sched._running and engine.cached_blocks >= 12
+    prompt = shared + hf_models.tokens(5, seed=10).tolist()
+    uid = sched.add_request(prompt, SamplingParams(max_new_tokens=4))
+    short = sched.add_request(hf_models.tokens(10, seed=11).tolist(), SamplingParams())
+    computed = engine.computed_tokens
+    events = sched.step()
+    # 13 + 10 tokens of budget: the short prompt fits beside it in the same step
+    assert [(c.uid, c.start, c.length) for c in sched.last_step] == [(uid, 0, 205), (short, 0, 10)]
+    assert [e.uid for e in events] == [uid, short]  # first tokens in the first step
+    assert engine.computed_tokens - computed == 13 + 10
+    sched.abort(short)
+    tokens = [events[0].token] + sched.run_to_completion()[uid]
+    assert tokens == hf_models.greedy(_model(), torch.tensor(prompt), 4)
+
+
 def test_real_engine_too_big_and_abort() -> None:
     engine = _engine(blocks=6, block_size=4)
     sched = RaggedScheduler(engine)

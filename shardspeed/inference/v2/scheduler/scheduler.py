@@ -125,6 +125,9 @@ class RaggedScheduler:
         # the engine tracks at most this many sequences: one step admits no more than it has
         # room for (query only counts those tracked before the step)
         self.max_tracked = _state_limit(engine, "max_tracked_sequences")
+        config = getattr(engine, "config", None) or getattr(engine, "_config", None)
+        manager = getattr(config, "state_manager", None)
+        self.prefix_caching = bool(getattr(manager, "prefix_caching", False))
         self.eos_token_ids = eos
         self._waiting: deque[Request] = deque()
         # Insertion order is admission order: the last entry is the newest-admitted sequence.
@@ -367,10 +370,47 @@ class RaggedScheduler:
                 return
             if request.uid not in batch.chunks and request.pending > 0:
                 batch.try_add(request, min(batch.budget, request.pending))
-        while self._waiting and not batch.full:
-            request = self._waiting[0]
+        # A prompt whose first block another prompt still being computed shares waits for
+        # it (n choices of one prompt, say): then it adopts that prompt's cached blocks and
+        # computes only its own tail, where admitted together each would compute it all.
+        # The others keep their order and are admitted meanwhile.
+        computing = self._prompts_computing()
+        for request in list(self._waiting):
+            if batch.full:
+                return
+            key = self._first_block(request)
+            if key is not None and computing.get(key, request.uid) != request.uid:
+                continue
             if not batch.try_add(request, min(batch.budget, request.pending), admit=True):
                 return
+            if key is not None:
+                computing.setdefault(key, request.uid)
+
+    def _first_block(self, request: Request) -> tuple[int, ...] | None:
+        """The first KV block's tokens of ``request``'s prompt when a later request could adopt
+        them from the prefix cache (None: no full block, prefix caching off, or a prompt that
+        is scored, so computed whole)."""
+        block = self.engine.kv_block_size
+        if (
+            not self.prefix_caching
+            or request.computed
+            or request.params.prompt_logprobs is not None
+        ):
+            return None
+        return tuple(request.prompt[:block]) if len(request.prompt) > block else None
+
+    def _prompts_computing(self) -> dict[tuple[int, ...], int]:
+        """First block -> uid of each running request whose prompt is not all computed."""
+        found: dict[tuple[int, ...], int] = {}
+        block = self.engine.kv_block_size
+        for request in self._running.values():
+            if (
+                self.prefix_caching
+                and block < len(request.prompt)
+                and request.computed < len(request.prompt)
+            ):
+                found.setdefault(tuple(request.prompt[:block]), request.uid)
+        return found
 
     def _preempt(self, uid: int, batch: _Batch) -> None:
         """Flush sequence ``uid`` and requeue it first to recompute prompt + generated."""
@@ -471,6 +511,8 @@ class _Batch:
         self.blocks_taken = 0  # sum(self.blocks.values()), kept as chunks come and go
         self.budget = scheduler.token_budget
         self.new_uids: set[int] = set()  # sequences this batch starts in the engine
+        self.charged: dict[int, int] = {}  # the budget each chunk takes (cached tokens free)
+        self.block_size = scheduler.engine.kv_block_size
 
     @property
     def full(self) -> bool:
@@ -487,14 +529,24 @@ class _Batch:
             tracked = int(getattr(engine, "n_tracked_sequences", 0))
             if tracked + len(self.new_uids) >= limit:
                 return False
+        covered = self._cached(request) if starts else 0
+        if covered:  # cached tokens cost no compute: the budget buys tokens past them
+            want = min(request.pending, covered + self.budget)
         free = engine.free_blocks - self.blocks_taken
         tokens, blocks = engine.query(request.uid, want, free)
         if tokens <= 0:
             return False
         if starts:
             self.new_uids.add(request.uid)
+        # what the engine will compute of the chunk: a chunk adopts the cached blocks it holds
+        # whole, leaving at least its last token to compute (as the engine's match does)
+        charged = tokens - min(covered, (tokens - 1) // self.block_size * self.block_size)
         if admit:
-            self.scheduler._waiting.popleft()
+            waiting = self.scheduler._waiting
+            if waiting[0] is request:
+                waiting.popleft()
+            else:
+                waiting.remove(request)
             self.scheduler._running[request.uid] = request
             request.admitted_at = self.scheduler.num_steps
         self.chunks[request.uid] = ScheduledChunk(
@@ -502,13 +554,22 @@ class _Batch:
         )
         self.blocks[request.uid] = blocks
         self.blocks_taken += blocks
-        self.budget -= tokens
+        self.charged[request.uid] = charged
+        self.budget -= charged
         return True
+
+    def _cached(self, request: Request) -> int:
+        """How many of a starting ``request``'s tokens the engine's prefix cache holds (0 when
+        it scores its prompt: such a sequence computes it whole)."""
+        match = getattr(self.scheduler.engine, "prefix_match", None)
+        if match is None or not self.scheduler.prefix_caching or request.scores_prompt:
+            return 0
+        return int(match(request.tokens(0, request.pending)))
 
     def remove(self, uid: int) -> None:
         """Take ``uid``'s chunk out again (it was preempted)."""
         chunk = self.chunks.pop(uid, None)
         self.new_uids.discard(uid)
         if chunk is not None:
-            self.budget += chunk.length
+            self.budget += self.charged.pop(uid)
             self.blocks_taken -= self.blocks.pop(uid)
