@@ -165,7 +165,11 @@ def main() -> None:
                 equal.append(sum(a.tokens == b.tokens for a, b in zip(local, remote, strict=True)))
         finally:
             proc.terminate()
-            proc.wait(timeout=30)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=30)
             log.unlink()
     ratios = [
         h["throughput_tok_s"] / p["throughput_tok_s"]

@@ -275,14 +275,18 @@ class InferenceEngineV2:
 
         seqs: list[TrackedSequence] = []
         new_runs: list[torch.Tensor] = []
-        for uid, run in zip(uids, runs, strict=True):
-            seq = self._state.get_sequence(uid)
-            if seq is None:
-                seq = self._state.get_or_create_sequence(uid)
+        # every new sequence adopts its cached prefix before any reserves blocks: a reservation
+        # may evict cached blocks, and must not evict those a later sequence of the batch was
+        # checked (and charged) as taking from the cache
+        for i, uid in enumerate(uids):
+            if self._state.get_sequence(uid) is None:
+                fresh = self._state.get_or_create_sequence(uid)
                 if uid not in scored:
-                    covered = self._state.adopt_prefix(seq, run.tolist())
+                    covered = self._state.adopt_prefix(fresh, runs[i].tolist())
                     self.prefix_hit_tokens += covered
-                    run = run[covered:]
+                    runs[i] = runs[i][covered:]
+        for uid, run in zip(uids, runs, strict=True):
+            seq = self._state.get_or_create_sequence(uid)
             self._state.reserve(seq, run.numel())
             seq.tokens.extend(run.tolist())
             seq.pre_forward(run.numel())
@@ -392,7 +396,8 @@ class InferenceEngineV2:
         ``params_rank_{r}_of_{n}.pt``, ``metadata_rank_{r}_of_{n}.json``, and the config from
         rank 0); every rank of a tensor-parallel engine calls it. ``build_hf_engine`` or
         ``build_engine_from_ds_checkpoint`` on the folder loads it back without re-sharding."""
-        save_model(self._model.hf_model, self._model.family, save_path, self._tp)
+        grain = self._config.tensor_parallel.tp_grain_size
+        save_model(self._model.hf_model, self._model.family, save_path, self._tp, grain)
 
     def flush(self, uid: int) -> None:
         """Forget sequence ``uid`` and free its KV blocks (ValueError when it is not tracked);

@@ -80,8 +80,15 @@ def _write_atomically(target: Path, write: Any) -> None:
         raise
 
 
-def save_model(hf_model: nn.Module, family: str, path: str | os.PathLike[str], tp: TPGroup) -> None:
-    """Write this rank's tensors and metadata (and, on rank 0, the config) under ``path``."""
+def save_model(
+    hf_model: nn.Module,
+    family: str,
+    path: str | os.PathLike[str],
+    tp: TPGroup,
+    grain: int = 1,
+) -> None:
+    """Write this rank's tensors and metadata (and, on rank 0, the config) under ``path``
+    (``grain``: the ``tp_grain_size`` the shards were cut with)."""
     for name, module in hf_model.named_modules():
         if type(module).__name__ == "Int8Linear":
             raise ValueError(
@@ -103,6 +110,7 @@ def save_model(hf_model: nn.Module, family: str, path: str | os.PathLike[str], t
         "policy": family,
         "tp_rank": tp.rank,
         "tp_size": tp.size,
+        "tp_grain_size": grain,
         "tensors": {
             name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
             for name, t in state.items()
@@ -204,6 +212,25 @@ def read_state(
         isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
     ):
         raise ValueError(f"{file} must hold a dict of tensor names to tensors.")
+    # each tensor owns its whole storage, contiguously; two names may share one only as the
+    # same tensor (tied weights): no weight is a window onto another's memory
+    seen: dict[int, torch.Tensor] = {}
+    for name, tensor in state.items():
+        first = seen.setdefault(tensor.untyped_storage().data_ptr(), tensor)
+        if (
+            not tensor.is_contiguous()
+            or _is_view(tensor)
+            or (
+                first is not tensor
+                and (
+                    first.shape != tensor.shape or first.storage_offset() != tensor.storage_offset()
+                )
+            )
+        ):
+            raise ValueError(
+                f"{file}: {name} is a view into shared or larger storage; each saved tensor "
+                "must be its own contiguous tensor."
+            )
     expected = metadata["tensors"]
     missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     if missing or extra:
@@ -235,7 +262,17 @@ def load_model(
     from shardspeed.inference.tp_plan import build_plan
 
     metadata = read_metadata(path, tp)
+    if tp.size > 1 and metadata.get("tp_grain_size", 1) != grain:
+        raise ValueError(
+            f"{path} was cut with tensor_parallel.tp_grain_size={metadata.get('tp_grain_size')} "
+            f"and this engine has {grain}; load it with the same grain size."
+        )
     state = read_state(path, tp, metadata)
+    floats = {
+        str(t.dtype) for k, t in state.items() if not k.startswith(BUFFER) and t.is_floating_point()
+    }
+    if len(floats) > 1:
+        raise ValueError(f"{path}: its weights mix dtypes {sorted(floats)}; a model has one.")
     try:
         from accelerate import init_empty_weights
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -250,9 +287,18 @@ def load_model(
     with init_empty_weights():  # parameters on the meta device, buffers real
         model = AutoModelForCausalLM.from_config(config)
     buffers = {k[len(BUFFER) :]: state.pop(k) for k in [k for k in state if k.startswith(BUFFER)]}
-    unknown = sorted(set(buffers) - set(_non_persistent(model)))
+    own = _non_persistent(model)
+    unknown = sorted(set(buffers) - set(own))
     if unknown:
         raise ValueError(f"{path}: saved buffers {unknown[:4]} are not in the model.")
+    for name, tensor in buffers.items():
+        if tensor.shape != own[name].shape or (
+            tensor.is_floating_point() != own[name].is_floating_point()
+        ):
+            raise ValueError(
+                f"{path}: saved buffer {name} is {tensor.dtype} {list(tensor.shape)}; the model's "
+                f"is {own[name].dtype} {list(own[name].shape)}."
+            )
     if tp.size > 1:
         # the shards are made in the saved dtype, so copying the saved tensors in keeps it
         saved = next((t.dtype for t in state.values() if t.is_floating_point()), None)

@@ -266,3 +266,24 @@ def test_private_parent_chain_not_indexed(llama: Any) -> None:
     assert engine.prefix_match(probe) == 4
     out = engine.put([4], [probe])
     torch.testing.assert_close(out[0], hm.last_logits(llama, probe), atol=ATOL, rtol=0)
+
+
+def test_a_batch_adopts_its_cached_prefixes_before_anything_evicts_them(llama: Any) -> None:
+    """No plain block free, two cached chains (x's older than w's), and one batch where an
+    existing sequence's decode token needs a block while a new sequence extends x's prompt: the
+    new sequence takes x's blocks before the decode's reservation evicts the oldest chain (w's
+    goes instead), so it computes 1 token, as the batch check counted, not 9."""
+    engine = make_engine(llama, blocks=7)
+    x, w, y = hm.tokens(8, 40), hm.tokens(8, 41), hm.tokens(12, 42)
+    engine.put([1], [x])
+    engine.flush(1)
+    engine.put([2], [w])
+    engine.flush(2)
+    engine.put([3], [y])  # three full blocks: its next token needs a fourth
+    assert engine.cached_blocks == 4 and engine.free_blocks == 4  # cached ones count as free
+    hits, computed = engine.prefix_hit_tokens, engine.computed_tokens
+    extended = torch.cat([x, hm.tokens(1, 43)])
+    logits = engine.put([3, 4], [hm.tokens(1, 44), extended])
+    assert engine.prefix_hit_tokens - hits == 8
+    assert engine.computed_tokens - computed == 2
+    torch.testing.assert_close(logits[1], hm.last_logits(llama, extended), atol=ATOL, rtol=0)

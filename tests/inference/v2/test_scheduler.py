@@ -323,6 +323,59 @@ def test_cached_prompt_tokens_take_no_budget() -> None:
     assert tokens == hf_models.greedy(_model(), torch.tensor(prompt), 4)
 
 
+def test_shared_prefixes_under_a_tight_cache_and_budget() -> None:
+    """200 requests whose prompts share prefixes (a few system prompts, some cut short, plus
+    tails), over a cache of 24 blocks of 4 and a budget of 7 tokens: steps defer, adopt,
+    preempt and cut chunks to the blocks left, yet the engine never computes more than the
+    budget in a step (its own check would stop the loop), every request ends with its length,
+    and every block comes back."""
+    rng = random.Random(5)
+    systems = [hf_models.tokens(n, seed=20 + n).tolist() for n in (9, 13, 22)]
+    engine = _engine(blocks=24, block_size=4, max_ragged_batch_size=7, max_context=64)
+    sched = RaggedScheduler(engine, token_budget=7)
+    lengths: dict[int, int] = {}
+    outputs: dict[int, list[int]] = {}
+    added = steps = 0
+    while added < 200 or sched.has_work:
+        for _ in range(rng.randint(0, 3) if added < 200 else 0):
+            system = rng.choice(systems)[: rng.randint(4, 22)]
+            tail = [rng.randint(1, hf_models.VOCAB - 1) for _ in range(rng.randint(1, 6))]
+            new = rng.randint(1, 12)
+            lengths[sched.add_request(system + tail, SamplingParams(max_new_tokens=new))] = new
+            added += 1
+        before = engine.computed_tokens
+        for event in sched.step():
+            outputs.setdefault(event.uid, []).append(event.token)
+        assert engine.computed_tokens - before <= 7
+        steps += 1
+    assert {u: len(t) for u, t in outputs.items()} == lengths
+    assert engine.prefix_hit_tokens > 0 and sched.num_preemptions > 0
+    engine.clear_prefix_cache()
+    assert engine.free_blocks == engine.total_blocks and engine.n_tracked_sequences == 0
+
+
+def test_a_shared_system_prompt_delays_its_sharers_only_until_it_is_computed() -> None:
+    """Two prompts behind one 40-token system prompt (2 shared full blocks of 16) and a
+    64-token budget: the second waits for the step that computes the shared blocks, then joins
+    the step where the first still computes the rest of its prompt, adopting the shared blocks
+    (32 tokens) and spending the budget left past them."""
+    system = hf_models.tokens(40, seed=30).tolist()
+    first = system + hf_models.tokens(60, seed=31).tolist()
+    second = system + hf_models.tokens(30, seed=32).tolist()
+    engine = _engine(block_size=16, max_ragged_batch_size=64)
+    sched = RaggedScheduler(engine, token_budget=64)
+    a = sched.add_request(first, SamplingParams(max_new_tokens=3))
+    b = sched.add_request(second, SamplingParams(max_new_tokens=3))
+    sched.step()
+    assert [(c.uid, c.start, c.length) for c in sched.last_step] == [(a, 0, 64)]
+    sched.step()
+    chunks = [(c.uid, c.start, c.length) for c in sched.last_step]
+    assert chunks == [(a, 64, 36), (b, 0, 32 + 28)]
+    assert engine.prefix_hit_tokens == 32
+    outputs = sched.run_to_completion()
+    assert outputs[b] == hf_models.greedy(_model(), torch.tensor(second), 3)
+
+
 def test_real_engine_too_big_and_abort() -> None:
     engine = _engine(blocks=6, block_size=4)
     sched = RaggedScheduler(engine)

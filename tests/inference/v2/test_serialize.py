@@ -18,6 +18,8 @@ import torch
 from shardspeed.inference.v2 import build_engine_from_ds_checkpoint, build_hf_engine
 from tests.inference.v2 import hf_models as hm
 
+BUFFER = "non_persistent_buffer:model.rotary_emb.inv_freq"
+
 pytestmark = pytest.mark.timeout(300)
 
 CONFIG = {
@@ -101,11 +103,29 @@ def test_untrusted_files_are_refused_unrun(saved: Path, tmp_path: Path) -> None:
     _refused(saved, f"{name} is float32 \\[")
     torch.save({k: v for k, v in good.items() if k != name}, params)
     _refused(saved, "missing \\['model.layers.0.mlp.down_proj.weight'\\]")
+    # a weight that is a window onto another's storage; weights of two dtypes; a buffer of
+    # the wrong shape (the metadata rewritten to match each, as an attacker would)
+    meta = saved / "metadata_rank_0_of_1.json"
+    text = meta.read_text()
+    other = "model.embed_tokens.weight"  # 256 x 64: room for a window at an offset
+    window = good[other].view(-1)[1 : 1 + good[name].numel()].view(good[name].shape)
+    for crafted, words in (
+        ({**good, name: window}, "view into shared or larger storage"),
+        ({**good, name: good[name].double()}, "mix dtypes"),
+        ({**good, BUFFER: torch.ones(3)}, "saved buffer model.rotary_emb.inv_freq is"),
+    ):
+        torch.save(crafted, params)
+        spec = json.loads(text)
+        spec["tensors"] = {
+            k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")}
+            for k, v in crafted.items()
+        }
+        meta.write_text(json.dumps(spec))
+        _refused(saved, words)
+    meta.write_text(text)
     torch.save(good, params)
     build_engine_from_ds_checkpoint(saved, CONFIG)  # restored: it loads again
     # metadata from another format version, or not JSON
-    meta = saved / "metadata_rank_0_of_1.json"
-    text = meta.read_text()
     meta.write_text(text.replace('"version": 1', '"version": 9'))
     _refused(saved, "format version 9")
     meta.write_text("{not json")

@@ -39,8 +39,12 @@ def status(key):
         if line.startswith(key + ":"):
             return int(line.split()[1])  # KiB
 
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")  # the peak so far := the size now
+try:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak so far := the size now
+except OSError as exc:  # a sandbox may forbid it
+    print(json.dumps({"skip": f"cannot reset the peak RSS: {exc}"}))
+    sys.exit(0)
 before = status("VmRSS")
 if sys.argv[1] == "tiled":
     loss = TiledFusedLogitsLoss.apply(loss_fn, head, x, y, None, 16, None, "mean")
@@ -71,6 +75,8 @@ def run_variant(variant: str) -> dict[str, float]:
 @pytest.mark.skipif(sys.platform != "linux", reason="reads Linux's /proc/self/status")
 def test_tiled_loss_peak_memory_is_lower_than_untiled():
     untiled, tiled = run_variant("untiled"), run_variant("tiled")
+    if "skip" in untiled:
+        pytest.skip(untiled["skip"])
     assert abs(untiled["loss"] - tiled["loss"]) < 1e-5 * abs(untiled["loss"])
     grown_untiled = untiled["peak_kib"] - untiled["before_kib"]
     grown_tiled = tiled["peak_kib"] - tiled["before_kib"]

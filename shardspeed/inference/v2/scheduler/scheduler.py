@@ -379,12 +379,30 @@ class RaggedScheduler:
             if batch.full:
                 return
             key = self._first_block(request)
-            if key is not None and computing.get(key, request.uid) != request.uid:
+            holder = computing.get(key) if key is not None else None
+            if holder is not None and self._waits_for(request, holder):
                 continue
             if not batch.try_add(request, min(batch.budget, request.pending), admit=True):
                 return
             if key is not None:
-                computing.setdefault(key, request.uid)
+                computing.setdefault(key, request)
+
+    def _waits_for(self, request: Request, holder: Request) -> bool:
+        """Whether ``request`` should wait for ``holder``: their prompts share full blocks that
+        ``holder`` has not computed yet and the prefix cache does not hold already."""
+        block = self.engine.kv_block_size
+        mine, theirs = request.prompt, holder.prompt
+        shared = 0
+        while (
+            shared + block < len(mine)  # a block it could adopt leaves it a token to compute
+            and shared + block <= len(theirs)
+            and mine[shared : shared + block] == theirs[shared : shared + block]
+        ):
+            shared += block
+        if shared <= holder.computed:
+            return False
+        match = getattr(self.engine, "prefix_match", None)
+        return match is None or int(match(mine)) < shared
 
     def _first_block(self, request: Request) -> tuple[int, ...] | None:
         """The first KV block's tokens of ``request``'s prompt when a later request could adopt
@@ -399,9 +417,10 @@ class RaggedScheduler:
             return None
         return tuple(request.prompt[:block]) if len(request.prompt) > block else None
 
-    def _prompts_computing(self) -> dict[tuple[int, ...], int]:
-        """First block -> uid of each running request whose prompt is not all computed."""
-        found: dict[tuple[int, ...], int] = {}
+    def _prompts_computing(self) -> dict[tuple[int, ...], Request]:
+        """First block -> the (first) running request with that first block whose prompt is
+        not all computed."""
+        found: dict[tuple[int, ...], Request] = {}
         block = self.engine.kv_block_size
         for request in self._running.values():
             if (
@@ -409,7 +428,7 @@ class RaggedScheduler:
                 and block < len(request.prompt)
                 and request.computed < len(request.prompt)
             ):
-                found.setdefault(tuple(request.prompt[:block]), request.uid)
+                found.setdefault(tuple(request.prompt[:block]), request)
         return found
 
     def _preempt(self, uid: int, batch: _Batch) -> None:
@@ -517,7 +536,7 @@ class _Batch:
     @property
     def full(self) -> bool:
         """No token or sequence slot left."""
-        return self.budget == 0 or len(self.chunks) >= self.scheduler.max_sequences
+        return self.budget <= 0 or len(self.chunks) >= self.scheduler.max_sequences
 
     def try_add(self, request: Request, want: int, admit: bool = False) -> bool:
         """Add up to ``want`` of ``request``'s pending tokens if the KV cache has room for at
@@ -534,13 +553,16 @@ class _Batch:
             want = min(request.pending, covered + self.budget)
         free = engine.free_blocks - self.blocks_taken
         tokens, blocks = engine.query(request.uid, want, free)
-        if tokens <= 0:
+        if tokens > 0 and self._charge(tokens, covered) > self.budget:
+            # the KV cache cut the chunk below its cached part: what is left of the budget
+            # buys tokens past the blocks the shorter chunk still adopts
+            want = min(covered, (tokens - 1) // self.block_size * self.block_size) + self.budget
+            tokens, blocks = engine.query(request.uid, want, free)
+        charged = self._charge(tokens, covered)
+        if tokens <= 0 or charged > self.budget:
             return False
         if starts:
             self.new_uids.add(request.uid)
-        # what the engine will compute of the chunk: a chunk adopts the cached blocks it holds
-        # whole, leaving at least its last token to compute (as the engine's match does)
-        charged = tokens - min(covered, (tokens - 1) // self.block_size * self.block_size)
         if admit:
             waiting = self.scheduler._waiting
             if waiting[0] is request:
@@ -557,6 +579,12 @@ class _Batch:
         self.charged[request.uid] = charged
         self.budget -= charged
         return True
+
+    def _charge(self, tokens: int, covered: int) -> int:
+        """What the engine computes of a ``tokens`` chunk whose first ``covered`` tokens are
+        cached: it adopts the cached blocks the chunk holds whole, leaving at least its last
+        token to compute (as the engine's match does)."""
+        return tokens - min(covered, max(0, (tokens - 1) // self.block_size * self.block_size))
 
     def _cached(self, request: Request) -> int:
         """How many of a starting ``request``'s tokens the engine's prefix cache holds (0 when
