@@ -154,3 +154,25 @@ def test_the_key_is_asked_everywhere_but_health_and_metrics(model_dir: Path) -> 
         loaded.shutdown()
     with pytest.raises(ValueError, match="API key is empty"):
         main(["--model", str(model_dir), "--api-key", " "])
+
+
+@pytest.mark.timeout(300)
+def test_serve_a_serialized_engine_with_its_tokenizer(
+    model_dir: Path, reference: Reference, tmp_path: Path
+) -> None:
+    """``shardspeed serve --model <folder serialize() wrote> --tokenizer <HF folder>`` answers
+    with Hugging Face's greedy tokens; without ``--tokenizer`` it stops at once, naming it."""
+    from shardspeed.inference.v2 import build_hf_engine
+
+    folder = tmp_path / "serialized"
+    build_hf_engine(str(model_dir)).serialize(folder)
+    with pytest.raises(AssertionError, match="pass --tokenizer"):
+        start_server(folder)
+    proc, url = start_server(folder, "--tokenizer", str(model_dir))
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        ids = reference.prompt_ids("w5 w9 w13")
+        out = client.completions.create(model=NAME, prompt="w5 w9 w13", max_tokens=8, temperature=0)
+        assert out.choices[0].text == reference.text(ids, 8)
+    finally:
+        stop_server(proc)

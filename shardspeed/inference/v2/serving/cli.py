@@ -20,6 +20,12 @@ def build_parser() -> argparse.ArgumentParser:
         "continuous batching.",
     )
     p.add_argument("--model", required=True, help="local checkpoint directory (from_pretrained)")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="folder of the tokenizer (default: --model; needed when --model is a folder "
+        "InferenceEngineV2.serialize wrote, which holds no tokenizer)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on; 0 takes a free one")
     p.add_argument(
@@ -149,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         max_batch_tokens=args.max_batch_tokens,
         log_level=args.log_level,
         api_key=args.api_key,
+        tokenizer_path=args.tokenizer,
     )
     return 0
 

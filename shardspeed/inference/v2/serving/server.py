@@ -112,8 +112,11 @@ def load_generator(
     *,
     engine_config: dict[str, Any] | None = None,
     max_batch_tokens: int | None = None,
+    tokenizer_path: str | None = None,
 ) -> LoadedGenerator:
-    """Build the engine over the checkpoint at ``model_path`` and start its generation loop.
+    """Build the engine over the checkpoint at ``model_path`` (a Hugging Face folder, or one
+    ``InferenceEngineV2.serialize`` wrote) and start its generation loop; the tokenizer comes
+    from ``tokenizer_path`` (default: ``model_path``; a serialized folder holds none).
     ``engine_config`` is a ``RaggedInferenceEngineConfig`` dict; its ``state_manager.max_context``
     defaults to the model's own position limit (at most 8192) and may not exceed it. With
     ``tensor_parallel.tp_size`` > 1 this is rank 0's part: its engine calls reach the other
@@ -125,7 +128,14 @@ def load_generator(
     from shardspeed.inference.v2.serving.lockstep import LockstepEngine
 
     hf_config, config = _prepared_config(model_path, engine_config, max_batch_tokens)
-    tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+    source = tokenizer_path or model_path
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ValueError(
+            f"cannot load a tokenizer from {source!r} ({type(exc).__name__}); a folder written "
+            "by serialize() holds none: pass --tokenizer with the model's Hugging Face folder"
+        ) from exc
     engine: Any = build_hf_engine(model_path, RaggedInferenceEngineConfig.from_dict(config))
     if _tp_size(config) > 1:
         engine = LockstepEngine(engine)
@@ -168,10 +178,12 @@ def serve(
     max_batch_tokens: int | None = None,
     log_level: str = "info",
     api_key: str | None = None,
+    tokenizer_path: str | None = None,
 ) -> None:
-    """Load ``model_path`` and serve it over HTTP until SIGINT/SIGTERM. ``port`` 0 takes a free
-    port; the line ``shardspeed serve: listening on http://HOST:PORT`` names it. With
-    ``api_key`` the ``/v1`` routes answer only requests bearing it. With
+    """Load ``model_path`` (its tokenizer from ``tokenizer_path`` when given) and serve it over
+    HTTP until SIGINT/SIGTERM. ``port`` 0 takes a free port; the line ``shardspeed serve:
+    listening on http://HOST:PORT`` names it. With ``api_key`` every route but ``/health`` and
+    ``/metrics`` answers only requests bearing it. With
     ``tensor_parallel.tp_size`` > 1 (every rank of a launched job calls this) rank 0 serves
     and the other ranks follow its engine calls."""
     import uvicorn
@@ -204,7 +216,10 @@ def serve(
         raise ValueError(f"cannot listen on {host}:{port}: {exc}; pick another --port") from exc
     try:
         loaded = load_generator(
-            model_path, engine_config=engine_config, max_batch_tokens=max_batch_tokens
+            model_path,
+            engine_config=engine_config,
+            max_batch_tokens=max_batch_tokens,
+            tokenizer_path=tokenizer_path,
         )
     except BaseException:
         sock.close()
