@@ -135,10 +135,11 @@ def _abort(generator: Any, uid: int) -> None:
         pass  # already finished
 
 
-def pipeline(model_name_or_path: str, **config: Any) -> Pipeline:
-    """Load a local checkpoint directory into an inference v2 engine and return a
-    :class:`Pipeline`. ``config`` holds ``RaggedInferenceEngineConfig`` sections
-    (``tensor_parallel``, ``state_manager``, ``dtype``, ``kv_cache_dtype``) and
+def pipeline(model_name_or_path: str, tokenizer: str | None = None, **config: Any) -> Pipeline:
+    """Load a local checkpoint directory (or a folder ``InferenceEngineV2.serialize`` wrote,
+    with ``tokenizer`` naming the folder to take the tokenizer from) into an inference v2
+    engine and return a :class:`Pipeline`. ``config`` holds ``RaggedInferenceEngineConfig``
+    sections (``tensor_parallel``, ``state_manager``, ``dtype``, ``kv_cache_dtype``) and
     ``max_batch_tokens`` (the scheduler's tokens per step)."""
     from shardspeed.inference.v2.serving.server import load_generator
 
@@ -150,6 +151,9 @@ def pipeline(model_name_or_path: str, **config: Any) -> Pipeline:
             "or max_batch_tokens"
         )
     loaded = load_generator(
-        model_name_or_path, engine_config=config, max_batch_tokens=max_batch_tokens
+        model_name_or_path,
+        engine_config=config,
+        max_batch_tokens=max_batch_tokens,
+        tokenizer_path=tokenizer,
     )
     return Pipeline(loaded, model_name_or_path)

@@ -108,3 +108,17 @@ def test_serve_flags_bound_each_steps_sequences(model_dir: Path, reference: Refe
     finally:
         loaded.shutdown()
     assert max(widest) == 2  # the bound was reached and held
+
+
+@pytest.mark.timeout(300)
+def test_a_serialized_engine_with_its_tokenizer(
+    model_dir: Path, reference: Reference, tmp_path: Path
+) -> None:
+    from shardspeed.inference.v2 import build_hf_engine
+
+    build_hf_engine(str(model_dir)).serialize(tmp_path)
+    with pytest.raises(ValueError, match="pass --tokenizer"):
+        pipeline(str(tmp_path))
+    with pipeline(str(tmp_path), tokenizer=str(model_dir)) as pipe:
+        [out] = pipe(PROMPTS[0], max_new_tokens=6)
+    assert out.generated_text == reference.text(reference.prompt_ids(PROMPTS[0]), 6)
