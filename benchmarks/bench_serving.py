@@ -238,8 +238,8 @@ def _v2_mode(base: Any, args: argparse.Namespace) -> tuple[Any, Callable[[int], 
     return scheduler, params
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """The workload, model and v2 engine flags (shared with bench_server_http.py)."""
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--rate", type=float, default=6.0, help="mean arrivals per second")
     parser.add_argument("--prompt-min", type=int, default=16)
@@ -251,7 +251,6 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=4096)
-    parser.add_argument("--batch", type=int, default=8, help="static batch size (HF, v1)")
     parser.add_argument("--token-budget", type=int, default=512, help="v2 tokens per step")
     parser.add_argument(
         "--max-sequences", type=int, default=None, help="v2 sequences per step (default: all)"
@@ -260,6 +259,12 @@ def main() -> None:
     parser.add_argument("--kv-blocks", type=int, default=2048, help="v2 KV blocks")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_workload_arguments(parser)
+    parser.add_argument("--batch", type=int, default=8, help="static batch size (HF, v1)")
     parser.add_argument("--rounds", type=int, default=3, help="modes interleaved, median round")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda for a GPU")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])

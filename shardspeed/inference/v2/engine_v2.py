@@ -271,7 +271,16 @@ class InferenceEngineV2:
         uids = [int(u) for u in batch_uids]
         runs = [torch.as_tensor(t).reshape(-1).to(torch.int64) for t in batch_tokens]
         scored = {int(u) for u in scored_uids}
-        self._check_batch(uids, runs, do_checks, scored)
+        # the cached blocks each new unscored sequence will adopt, matched once: the batch
+        # check counts them as computing nothing, and the adoption below takes exactly them
+        prefixes = [
+            self._state.match_prefix(run.tolist())
+            if uid not in scored and self._state.get_sequence(uid) is None
+            else []
+            for uid, run in zip(uids, runs, strict=False)  # a count mismatch: the check says so
+        ]
+        cached = [len(blocks) * self._block_size for blocks in prefixes]
+        self._check_batch(uids, runs, do_checks, cached)
 
         seqs: list[TrackedSequence] = []
         new_runs: list[torch.Tensor] = []
@@ -281,10 +290,10 @@ class InferenceEngineV2:
         for i, uid in enumerate(uids):
             if self._state.get_sequence(uid) is None:
                 fresh = self._state.get_or_create_sequence(uid)
-                if uid not in scored:
-                    covered = self._state.adopt_prefix(fresh, runs[i].tolist())
-                    self.prefix_hit_tokens += covered
-                    runs[i] = runs[i][covered:]
+                if prefixes[i]:
+                    self._state.adopt_prefix(fresh, runs[i].tolist(), prefixes[i])
+                    self.prefix_hit_tokens += cached[i]
+                    runs[i] = runs[i][cached[i] :]
         for uid, run in zip(uids, runs, strict=True):
             seq = self._state.get_or_create_sequence(uid)
             self._state.reserve(seq, run.numel())
@@ -328,10 +337,10 @@ class InferenceEngineV2:
         uids: list[int],
         runs: list[torch.Tensor],
         do_checks: bool,
-        scored: set[int] | frozenset[int] = frozenset(),
+        cached: list[int],
     ) -> None:
-        """ValueError (nothing changed) for a batch that cannot run as given (``scored``: new
-        sequences that will take nothing from the prefix cache)."""
+        """ValueError (nothing changed) for a batch that cannot run as given (``cached[i]``:
+        the tokens sequence ``i`` will take from the prefix cache)."""
         if len(uids) != len(runs) or not uids:
             raise ValueError(
                 f"put needs one token tensor per uid and at least one uid; got {len(uids)} "
@@ -365,12 +374,6 @@ class InferenceEngineV2:
                 )
             needed_blocks += self._kv_requirements(seq, run.numel(), 1 << 62)[1]
         if do_checks:
-            cached = [
-                self.prefix_match(run)
-                if uid not in scored and self._state.get_sequence(uid) is None
-                else 0
-                for uid, run in zip(uids, runs, strict=True)
-            ]
             result = self._schedule_result(uids, [r.numel() for r in runs], cached)
             if result != SchedulingResult.Success:
                 sm = self._config.state_manager

@@ -23,7 +23,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardspeed.inference.quantization import Int8Linear
 from shardspeed.inference.tp_group import TPGroup
+from shardspeed.inference.weight_source import ModuleWeights
 
 __all__ = [
     "FORMAT",
@@ -90,7 +92,7 @@ def save_model(
     """Write this rank's tensors and metadata (and, on rank 0, the config) under ``path``
     (``grain``: the ``tp_grain_size`` the shards were cut with)."""
     for name, module in hf_model.named_modules():
-        if type(module).__name__ == "Int8Linear":
+        if isinstance(module, Int8Linear):
             raise ValueError(
                 f"serialize: {name} is int8-quantized; serialize the model before quantizing it "
                 "(quantized layers are rebuilt from their float weights)."
@@ -316,17 +318,10 @@ def load_model(
     return model.eval(), str(metadata["policy"])
 
 
-class _Unwritten:
+class _Unwritten(ModuleWeights):
     """A weight source of uninitialized tensors shaped as the pieces asked for: the model's
     structure is split as when it was saved, the saved tensors are copied in afterwards."""
 
-    def __init__(self, model: nn.Module) -> None:
-        self._tensors = dict(model.state_dict(keep_vars=True))
-
     def read(self, name: str, piece: Any, shape: torch.Size) -> torch.Tensor:
-        full = self._tensors[name]
-        shaped = full if piece is None else piece.take(full)
-        return torch.empty(shaped.shape, dtype=full.dtype)
-
-    def close(self) -> None:
-        self._tensors.clear()
+        shaped = super().read(name, piece, shape)  # a view of a meta tensor: no data
+        return torch.empty(shaped.shape, dtype=shaped.dtype)

@@ -197,11 +197,15 @@ class DSStateManager:
             parent = block
         return matched
 
-    def adopt_prefix(self, seq: TrackedSequence, tokens: Sequence[int]) -> int:
+    def adopt_prefix(
+        self, seq: TrackedSequence, tokens: Sequence[int], blocks: list[int] | None = None
+    ) -> int:
         """Give the new, empty ``seq`` the cached blocks that hold a prefix of ``tokens``
-        (shared, reference counted; a cached, unreferenced block's reference passes from the
-        manager to ``seq``) and return how many tokens they cover."""
-        blocks = self.match_prefix(tokens)
+        (``blocks``: ``match_prefix(tokens)`` when already found; shared, reference counted; a
+        cached, unreferenced block's reference passes from the manager to ``seq``) and return
+        how many tokens they cover."""
+        if blocks is None:
+            blocks = self.match_prefix(tokens)
         if not blocks:
             return 0
         if seq.block_ids or seq.seen_tokens:

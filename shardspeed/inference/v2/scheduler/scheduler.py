@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
+from shardspeed.inference.v2.scheduler.logprobs import record_prompt_logprobs, step_logprobs
 from shardspeed.inference.v2.scheduler.requests import (
     FinishReason,
     Request,
@@ -127,7 +128,13 @@ class RaggedScheduler:
         self.max_tracked = _state_limit(engine, "max_tracked_sequences")
         config = getattr(engine, "config", None) or getattr(engine, "_config", None)
         manager = getattr(config, "state_manager", None)
-        self.prefix_caching = bool(getattr(manager, "prefix_caching", False))
+        # the engine's prefix_match (tokens a new sequence would take from its prefix cache),
+        # None when it caches no prefixes
+        self.prefix_match: Any = (
+            getattr(engine, "prefix_match", None)
+            if getattr(manager, "prefix_caching", False)
+            else None
+        )
         self.eos_token_ids = eos
         self._waiting: deque[Request] = deque()
         # Insertion order is admission order: the last entry is the newest-admitted sequence.
@@ -248,14 +255,14 @@ class RaggedScheduler:
             logits, every = self.engine.put_scored(uids, tokens, scored)
             for request, chunk in zip(requests, chunks, strict=True):
                 if chunk.uid in every:
-                    _record_prompt_logprobs(request, chunk, every[chunk.uid])
+                    record_prompt_logprobs(request, chunk, every[chunk.uid])
         else:
             logits = self.engine.put(uids, tokens)
         # Sampling runs on the CPU with CPU generators: the same draws whatever the device.
         logits = logits.detach().float().cpu()
         self.num_steps += 1
         self.last_step = chunks
-        with_logprobs = _logprobs(logits, requests, chunks)
+        with_logprobs = step_logprobs(logits, requests, chunks)
         # stop tokens before min_new_tokens made -inf, then every greedy pick of the step in
         # one argmax (sampled requests draw from their own row)
         stops: list[frozenset[int]] = []
@@ -378,7 +385,8 @@ class RaggedScheduler:
         for request in list(self._waiting):
             if batch.full:
                 return
-            key = self._first_block(request)
+            # a prompt computed whole (its log-probabilities scored) adopts nothing: no wait
+            key = None if request.scores_prompt else self._first_block(request)
             holder = computing.get(key) if key is not None else None
             if holder is not None and self._waits_for(request, holder):
                 continue
@@ -401,34 +409,25 @@ class RaggedScheduler:
             shared += block
         if shared <= holder.computed:
             return False
-        match = getattr(self.engine, "prefix_match", None)
-        return match is None or int(match(mine)) < shared
+        return int(self.prefix_match(mine)) < shared
 
     def _first_block(self, request: Request) -> tuple[int, ...] | None:
-        """The first KV block's tokens of ``request``'s prompt when a later request could adopt
-        them from the prefix cache (None: no full block, prefix caching off, or a prompt that
-        is scored, so computed whole)."""
+        """The first KV block's tokens of ``request``'s prompt, when the prefix cache could give
+        them to another prompt (None: prefix caching off, or no full block before its last
+        token)."""
         block = self.engine.kv_block_size
-        if (
-            not self.prefix_caching
-            or request.computed
-            or request.params.prompt_logprobs is not None
-        ):
+        if self.prefix_match is None or len(request.prompt) <= block:
             return None
-        return tuple(request.prompt[:block]) if len(request.prompt) > block else None
+        return tuple(request.prompt[:block])
 
     def _prompts_computing(self) -> dict[tuple[int, ...], Request]:
         """First block -> the (first) running request with that first block whose prompt is
         not all computed."""
         found: dict[tuple[int, ...], Request] = {}
-        block = self.engine.kv_block_size
         for request in self._running.values():
-            if (
-                self.prefix_caching
-                and block < len(request.prompt)
-                and request.computed < len(request.prompt)
-            ):
-                found.setdefault(tuple(request.prompt[:block]), request)
+            key = self._first_block(request)
+            if key is not None and request.computed < len(request.prompt):
+                found.setdefault(key, request)
         return found
 
     def _preempt(self, uid: int, batch: _Batch) -> None:
@@ -461,63 +460,6 @@ def _adjusted(
         request = requests[i]
         out[i] = adjust_logits(logits[i], request.params, request.prompt_ids, request.generated)
     return out
-
-
-def _top_pairs(scores: torch.Tensor, k: int) -> list[tuple[tuple[int, float], ...]]:
-    """Per row of log-probabilities ``scores``: its ``k`` most likely (token, log-probability),
-    most likely first."""
-    if not k:
-        return [()] * scores.shape[0]
-    values, ids = scores.topk(k, dim=-1)
-    return [
-        tuple(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)
-    ]
-
-
-def _logprobs(
-    logits: torch.Tensor, requests: list[Request], chunks: list[ScheduledChunk]
-) -> dict[int, tuple[torch.Tensor, tuple[tuple[int, float], ...]]]:
-    """For each row whose request asked for ``logprobs`` and samples this step: its
-    log-probabilities and its top tokens (one log-softmax and one top-k over those rows of
-    the raw logits)."""
-    rows = [
-        i
-        for i, (r, c) in enumerate(zip(requests, chunks, strict=True))
-        if c.samples and r.params.logprobs is not None
-    ]
-    if not rows:
-        return {}
-    scores = logits[rows].float().log_softmax(dim=-1)
-    counts = [int(requests[i].params.logprobs or 0) for i in rows]
-    tops = _top_pairs(scores, max(counts))
-    return {i: (scores[j], tops[j][: counts[j]]) for j, i in enumerate(rows)}
-
-
-# rows of a scored chunk's logits turned into log-probabilities at once (bounds the float copy
-# to this many rows x vocab)
-_SCORE_ROWS = 64
-
-
-def _record_prompt_logprobs(request: Request, chunk: ScheduledChunk, logits: torch.Tensor) -> None:
-    """Add the log-probabilities of the prompt tokens that ``chunk``'s positions predict
-    (``logits``: one row per chunk token, on the engine's device; position p predicts token
-    p + 1), a block of rows at a time, only the picked values leaving the device."""
-    prompt, entries = request.prompt, request.prompt_entries
-    if not entries:
-        entries.append((prompt[0], None, ()))  # the first token has nothing before it
-    k = int(request.params.prompt_logprobs or 0)
-    # row i predicts prompt token chunk.start + i + 1: from the first not recorded yet (a
-    # preempted request recomputes rows it recorded) to the prompt's last
-    first = max(0, len(entries) - 1 - chunk.start)
-    last = min(chunk.length, len(prompt) - 1 - chunk.start)
-    for a in range(first, last, _SCORE_ROWS):
-        b = min(a + _SCORE_ROWS, last)
-        scores = logits[a:b].float().log_softmax(dim=-1)
-        targets = prompt[chunk.start + a + 1 : chunk.start + b + 1]
-        index = torch.tensor(targets, device=scores.device)[:, None]
-        values = scores.gather(1, index)[:, 0].tolist()
-        for token, value, top in zip(targets, values, _top_pairs(scores, k), strict=True):
-            entries.append((token, float(value), top))
 
 
 class _Batch:
@@ -589,8 +531,8 @@ class _Batch:
     def _cached(self, request: Request) -> int:
         """How many of a starting ``request``'s tokens the engine's prefix cache holds (0 when
         it scores its prompt: such a sequence computes it whole)."""
-        match = getattr(self.scheduler.engine, "prefix_match", None)
-        if match is None or not self.scheduler.prefix_caching or request.scores_prompt:
+        match = self.scheduler.prefix_match
+        if match is None or request.scores_prompt:
             return 0
         return int(match(request.tokens(0, request.pending)))
 
