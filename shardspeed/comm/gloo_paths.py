@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
+from shardspeed.comm.group_caches import register_group_cache
 from shardspeed.comm.instrument import DeferredWork
 
 # how each op folds one more rank's chunk into the running result, in place
@@ -43,6 +44,7 @@ _FOLDS: dict[Any, Callable[[torch.Tensor, torch.Tensor], Any]] = {
 # rank of a group issues its reduce-scatters in the same order, so the counters agree
 _TAG_BASE = 0x5A000000
 _tag_counters: dict[Any, itertools.count[int]] = {}
+register_group_cache(_tag_counters.clear)
 
 
 class _SpareBuffers:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from shardspeed.accelerator import get_accelerator
+from shardspeed.comm.group_caches import register_group_cache
 from shardspeed.comm.logger import comms_logger
 from shardspeed.comm.volume import record_volume
 
@@ -43,6 +44,7 @@ def group_size(group: Any) -> int:
 #: (group id, ranks per node) -> (the group, whether its ranks sit on more than one node); the
 #: group is held so that its id is not reused by another while the entry lives
 _CROSSING: dict[tuple[int, int], tuple[Any, bool]] = {}
+register_group_cache(_CROSSING.clear)
 
 
 def crosses_nodes(group: Any) -> bool:

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from shardspeed.comm.group_caches import register_group_cache
 from shardspeed.comm.state import get_rank, get_world_group, get_world_size, is_initialized
 from shardspeed.comm.state import new_group as _new_group
 
@@ -89,6 +90,7 @@ class GroupRegistry:
 
 #: (id of the world group, the registry): a new process group makes the old registry stale
 _REGISTRY: list[tuple[int, GroupRegistry]] = []
+register_group_cache(_REGISTRY.clear)
 
 
 def group_registry() -> GroupRegistry:

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from shardspeed.comm.collectives import all_gather_object
+from shardspeed.comm.group_caches import register_group_cache
 from shardspeed.comm.mesh import Mesh, group_registry
 from shardspeed.comm.state import (
     get_all_ranks_from_group,
@@ -284,6 +285,7 @@ def _mpu_axis(
 
 #: (id of the world group, the current topology)
 _CURRENT: list[tuple[int, ParallelTopology]] = []
+register_group_cache(_CURRENT.clear)
 
 
 def set_current_topology(topology: ParallelTopology | None) -> None:

@@ -10,6 +10,7 @@ import atexit
 import gc
 import os
 import socket
+import sys
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
@@ -30,6 +31,7 @@ from shardspeed.comm.discovery import (
     discover,
     rank_info_env,
 )
+from shardspeed.comm.group_caches import forget_cached_groups, register_group_cache
 from shardspeed.comm.logger import configure
 from shardspeed.utils.logging import logger, set_rank_provider
 
@@ -201,6 +203,23 @@ def init_distributed(
     _on_initialized()
 
 
+def _drop_world_defaults() -> None:
+    """torch.distributed.nn.functional binds ``group=group.WORLD`` as default arguments when
+    it is imported, and torch.optim imports it lazily, after init: its functions then hold the
+    world group for good, so destroying the groups never frees it. Point those defaults back
+    to None (the world group, whichever is current)."""
+    module = sys.modules.get("torch.distributed.nn.functional")
+    for function in vars(module).values() if module is not None else ():
+        defaults = getattr(function, "__defaults__", None)
+        if defaults and any(isinstance(value, dist.ProcessGroup) for value in defaults):
+            function.__defaults__ = tuple(
+                None if isinstance(value, dist.ProcessGroup) else value for value in defaults
+            )
+
+
+register_group_cache(_drop_world_defaults)
+
+
 def _release_at_exit() -> None:
     """Free the process groups while the interpreter still runs.
 
@@ -209,8 +228,9 @@ def _release_at_exit() -> None:
     a gloo group destroyed then can abort the process (SIGABRT, "terminate called without an
     active exception") after the script finished. Collect those cycles and destroy the
     groups here, as a script that called ``destroy_process_group`` itself would have."""
-    gc.collect()
     if dist.is_available() and dist.is_initialized():
+        forget_cached_groups()
+        gc.collect()
         try:
             dist.destroy_process_group()
         except Exception as error:  # noqa: BLE001 - exiting anyway: say why, do not mask
@@ -219,6 +239,8 @@ def _release_at_exit() -> None:
 
 def destroy_process_group(group: Any = None) -> None:
     """Destroy ``group``, or every group when None (after which ranks come from the env again)."""
+    if group is None:
+        forget_cached_groups()
     dist.destroy_process_group(group)
     if group is None:
         set_rank_provider(None)
@@ -234,6 +256,7 @@ def new_group(
 
 #: host (gloo) groups made for device groups, by the device group's id
 _HOST_GROUPS: dict[int, Any] = {}
+register_group_cache(_HOST_GROUPS.clear)
 
 
 def host_group(group: Any = None) -> Any:

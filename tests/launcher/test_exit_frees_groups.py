@@ -1,0 +1,34 @@
+"""A launched script that never destroys its process groups has none of gloo's threads left once
+shardspeed's exit handler has run: groups left to interpreter shutdown can abort a finished job
+(SIGABRT, "terminate called without an active exception", about 1 run in 60-100 here)."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import pytest
+
+from .conftest import SCRIPTS, free_port, run_shardspeed
+
+GLOO_THREADS = ("gloo", "pt_gloo", "pt_tcpstore")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task")
+@pytest.mark.timeout(180)
+def test_exit_handler_frees_every_gloo_group() -> None:
+    done = run_shardspeed(
+        "--num_gpus",
+        "3",
+        "--master_port",
+        str(free_port()),
+        str(SCRIPTS / "train_then_exit.py"),
+        timeout=150,
+        OMP_NUM_THREADS="1",
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    threads = dict(re.findall(r"EXIT_THREADS rank=(\d) (\S+)", done.stdout))
+    assert sorted(threads) == ["0", "1", "2"], done.stdout
+    for rank, names in threads.items():
+        left = [name for name in names.split(",") if name.startswith(GLOO_THREADS)]
+        assert not left, f"rank {rank} still runs {left} at exit"
