@@ -131,8 +131,15 @@ def mpi_discovery(
     return info
 
 
+_exit_handler_registered = False
+
+
 def _on_initialized() -> None:
+    global _exit_handler_registered
     set_rank_provider(get_rank)
+    if not _exit_handler_registered:
+        atexit.register(_release_at_exit)
+        _exit_handler_registered = True
 
 
 def init_distributed(
@@ -159,7 +166,8 @@ def init_distributed(
     if config is not None:
         _configure_logging(config)
     if is_initialized():
-        # someone (this function earlier, the user, a test harness) already made the group
+        # someone (this function earlier, the user, a test harness) already made the group;
+        # the exit handler still frees what shardspeed cached on it
         _on_initialized()
         return
     if dist_init_required is False:
@@ -199,7 +207,6 @@ def init_distributed(
         rank=info.rank,
         world_size=info.world_size,
     )
-    atexit.register(_release_at_exit)
     _on_initialized()
 
 

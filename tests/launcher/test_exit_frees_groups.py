@@ -16,13 +16,15 @@ GLOO_THREADS = ("gloo", "pt_gloo", "pt_tcpstore")
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task")
 @pytest.mark.timeout(180)
-def test_exit_handler_frees_every_gloo_group() -> None:
+@pytest.mark.parametrize("own_group", [False, True], ids=["shardspeed-group", "own-group"])
+def test_exit_handler_frees_every_gloo_group(own_group: bool) -> None:
     done = run_shardspeed(
         "--num_gpus",
         "3",
         "--master_port",
         str(free_port()),
         str(SCRIPTS / "train_then_exit.py"),
+        *(["--own-group"] if own_group else []),
         timeout=150,
         OMP_NUM_THREADS="1",
     )

@@ -1,5 +1,6 @@
 """Train a few ZeRO-3 steps on gloo, then exit without destroying the process groups, as most
-training scripts do. An exit handler registered before shardspeed's (so it runs after it) prints
+training scripts do (with ``--own-group`` the script makes the world group itself, as a user or
+another framework may, before shardspeed sees it). An exit handler registered before shardspeed's (so it runs after it) prints
 the threads this process still has: shardspeed's handler must have freed every gloo group by then,
 or gloo's threads are left to interpreter shutdown, where they can abort the process."""
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 
 
 def _report_threads() -> None:
@@ -17,7 +19,8 @@ def _report_threads() -> None:
                 names.append(comm_file.read().strip())
         except OSError:  # the thread ended while we looked
             continue
-    print(f"EXIT_THREADS rank={os.environ.get('RANK')} {','.join(sorted(names))}", flush=True)
+    line = f"EXIT_THREADS rank={os.environ.get('RANK')} {','.join(sorted(names))}\n"
+    os.write(1, line.encode())  # one write: the ranks share the launcher's stdout
 
 
 atexit.register(_report_threads)
@@ -29,6 +32,10 @@ from shardspeed import comm  # noqa: E402
 
 
 def main() -> None:
+    if "--own-group" in sys.argv:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     config = {
