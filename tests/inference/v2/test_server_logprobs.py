@@ -163,6 +163,18 @@ def test_bad_logprobs_are_400s(server: str) -> None:
         ("chat/completions", {**chat, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "20"),
         ("completions", {**comp, "logprobs": 21}, "logprobs", "20"),
         ("completions", {**comp, "suffix": "w3"}, "suffix", "not supported"),
+        (
+            "chat/completions",
+            {**chat, "response_format": {"type": "json_object"}},
+            "response_format",
+            "'json_object' is not supported",
+        ),
+        (
+            "completions",
+            {**comp, "response_format": {"type": "json_schema", "json_schema": {}}},
+            "response_format",
+            "'json_schema' is not supported",
+        ),
     ]
     for path, body, param, words in cases:
         reply = httpx.post(
@@ -174,3 +186,7 @@ def test_bad_logprobs_are_400s(server: str) -> None:
         assert reply.status_code == 400, (body, reply.text)
         error = reply.json()["error"]
         assert error["param"] == param and words in error["message"], (body, error)
+    # plain text, asked for in so many words, is served
+    text = {**chat, "response_format": {"type": "text"}}
+    reply = httpx.post(f"{server}/v1/chat/completions", json=text, timeout=30.0)
+    assert reply.status_code == 200, reply.text

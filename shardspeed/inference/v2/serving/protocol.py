@@ -88,6 +88,7 @@ class GenerationRequest(_Strict):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
     user: str | None = None
     # extensions (vLLM's names)
     top_k: int = Field(0, ge=0)
@@ -103,6 +104,18 @@ class GenerationRequest(_Strict):
                 raise ValueError(f"logit_bias keys are token ids (digit strings), got {key!r}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias values lie in -100..100, got {bias} for {key}")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _plain_text(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        # ignoring a JSON request would hand back free text the client then fails to parse
+        kind = (value or {}).get("type", "text")
+        if kind != "text":
+            raise ValueError(
+                f"response_format type {kind!r} is not supported (this server has no guided "
+                'decoding): leave it unset or use {"type": "text"}'
+            )
         return value
 
     def token_bias(self) -> dict[int, float]:
