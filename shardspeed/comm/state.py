@@ -233,11 +233,14 @@ def _release_at_exit() -> None:
     Engines hold their process groups in reference cycles (hooks on parameters point back at
     the objects that own the groups), which Python may only collect during its own shutdown;
     a gloo group destroyed then can abort the process (SIGABRT, "terminate called without an
-    active exception") after the script finished. Collect those cycles and destroy the
-    groups here, as a script that called ``destroy_process_group`` itself would have."""
+    active exception") after the script finished. Drop shardspeed's cached groups, collect
+    those cycles and destroy the groups here, as a script that called
+    ``destroy_process_group`` itself would have."""
+    # even when the script destroyed the groups itself: a destroyed group still referenced
+    # is freed during shutdown all the same
+    forget_cached_groups()
+    gc.collect()
     if dist.is_available() and dist.is_initialized():
-        forget_cached_groups()
-        gc.collect()
         try:
             dist.destroy_process_group()
         except Exception as error:  # noqa: BLE001 - exiting anyway: say why, do not mask

@@ -1,6 +1,7 @@
 """Train a few ZeRO-3 steps on gloo, then exit without destroying the process groups, as most
 training scripts do (with ``--own-group`` the script makes the world group itself, as a user or
-another framework may, before shardspeed sees it). An exit handler registered before shardspeed's (so it runs after it) prints
+another framework may, before shardspeed sees it; with ``--torch-destroy`` it destroys the groups
+through torch at the end, which leaves shardspeed's caches holding them). An exit handler registered before shardspeed's (so it runs after it) prints
 the threads this process still has: shardspeed's handler must have freed every gloo group by then,
 or gloo's threads are left to interpreter shutdown, where they can abort the process."""
 
@@ -57,6 +58,10 @@ def main() -> None:
         comm.reduce_scatter_tensor(out, torch.ones(4), group=pair)
         assert out.tolist() == [2.0, 2.0], out
     print(f"TRAINED rank={comm.get_rank()}", flush=True)
+    if "--torch-destroy" in sys.argv:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
