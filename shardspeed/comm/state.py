@@ -11,6 +11,7 @@ import gc
 import os
 import socket
 import sys
+import warnings
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
@@ -131,15 +132,14 @@ def mpi_discovery(
     return info
 
 
-_exit_handler_registered = False
+# whether this process ever had a process group (the exit handler has nothing to do otherwise)
+_had_groups = False
 
 
 def _on_initialized() -> None:
-    global _exit_handler_registered
+    global _had_groups
     set_rank_provider(get_rank)
-    if not _exit_handler_registered:
-        atexit.register(_release_at_exit)
-        _exit_handler_registered = True
+    _had_groups = True
 
 
 def init_distributed(
@@ -211,24 +211,42 @@ def init_distributed(
 
 
 def _drop_world_defaults() -> None:
-    """torch.distributed.nn.functional binds ``group=group.WORLD`` as default arguments when
-    it is imported, and torch.optim imports it lazily, after init: its functions then hold the
-    world group for good, so destroying the groups never frees it. Point those defaults back
-    to None (the world group, whichever is current)."""
-    module = sys.modules.get("torch.distributed.nn.functional")
-    for function in vars(module).values() if module is not None else ():
-        defaults = getattr(function, "__defaults__", None)
-        if defaults and any(isinstance(value, dist.ProcessGroup) for value in defaults):
-            function.__defaults__ = tuple(
-                None if isinstance(value, dist.ProcessGroup) else value for value in defaults
-            )
+    """Some torch modules bind ``group=group.WORLD`` as default arguments when imported
+    (``torch.distributed.nn.functional``, which torch.optim imports lazily after init;
+    ``ZeroRedundancyOptimizer``; FSDP's ``ShardedGradScaler``): imported after init, their
+    functions hold the world group for good, so destroying the groups never frees it. Point
+    such defaults of the loaded ``torch.distributed`` modules back to None (the world group,
+    whichever is current), for their functions and their classes' ``__init__``."""
+    with warnings.catch_warnings():  # looking at deprecated names (reduce_op) warns
+        warnings.simplefilter("ignore")
+        for name, module in list(sys.modules.items()):
+            if module is not None and name.startswith("torch.distributed."):
+                _drop_defaults_in(module)
+
+
+def _drop_defaults_in(module: Any) -> None:
+    """:func:`_drop_world_defaults` for one module."""
+    for value in list(vars(module).values()):
+        try:  # module contents are arbitrary objects: one that will not say is skipped
+            function = getattr(value, "__init__", None) if isinstance(value, type) else value
+            defaults = getattr(function, "__defaults__", None)
+            if isinstance(defaults, tuple) and any(
+                isinstance(d, dist.ProcessGroup) for d in defaults
+            ):
+                function.__defaults__ = tuple(  # type: ignore[union-attr]
+                    None if isinstance(d, dist.ProcessGroup) else d for d in defaults
+                )
+        except Exception:  # noqa: BLE001, S112 - best effort, at exit or destroy
+            continue
 
 
 register_group_cache(_drop_world_defaults)
 
 
 def _release_at_exit() -> None:
-    """Free the process groups while the interpreter still runs.
+    """Free the process groups while the interpreter still runs (registered when this module
+    is imported, so it runs after the exit handlers a script registers later: theirs may still
+    use the groups, or destroy them themselves).
 
     Engines hold their process groups in reference cycles (hooks on parameters point back at
     the objects that own the groups), which Python may only collect during its own shutdown;
@@ -236,6 +254,8 @@ def _release_at_exit() -> None:
     active exception") after the script finished. Drop shardspeed's cached groups, collect
     those cycles and destroy the groups here, as a script that called
     ``destroy_process_group`` itself would have."""
+    if not _had_groups:
+        return
     # even when the script destroyed the groups itself: a destroyed group still referenced
     # is freed during shutdown all the same
     forget_cached_groups()
@@ -245,6 +265,9 @@ def _release_at_exit() -> None:
             dist.destroy_process_group()
         except Exception as error:  # noqa: BLE001 - exiting anyway: say why, do not mask
             logger.debug(f"destroying the process group at exit failed: {error}")
+
+
+atexit.register(_release_at_exit)
 
 
 def destroy_process_group(group: Any = None) -> None:

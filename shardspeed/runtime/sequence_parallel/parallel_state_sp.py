@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from shardspeed import comm
+from shardspeed.comm.group_caches import register_group_cache
 from shardspeed.comm.parallel_topology import (
     ParallelTopology,
     current_topology,
@@ -32,8 +33,17 @@ __all__ = [
     "get_data_parallel_rank",
 ]
 
-#: the topology :func:`initialize_sequence_parallel` made (read by ``shardspeed.initialize``)
+#: the topology :func:`initialize_sequence_parallel` made (read by ``shardspeed.initialize``);
+#: forgotten with the process groups
 parallel_topology: ParallelTopology | None = None
+
+
+def _forget_topology() -> None:
+    global parallel_topology
+    parallel_topology = None
+
+
+register_group_cache(_forget_topology)
 
 
 def initialize_sequence_parallel(sequence_parallel_size: int) -> None:

@@ -32,6 +32,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from shardspeed.comm.group_caches import register_group_cache
 from shardspeed.runtime.tensor_parallel.collectives import (
     copy_to_tensor_parallel,
     gather_from_tensor_parallel,
@@ -177,8 +178,10 @@ class SharedCopies:
         return copied
 
 
-#: the process's shared copies (one forward runs at a time)
+#: the process's shared copies (one forward runs at a time); a forward that raised leaves its
+#: entries (and their groups) behind until the next, or until the groups are destroyed
 SHARED_COPIES = SharedCopies()
+register_group_cache(SHARED_COPIES.end)
 
 
 class _OverlappedColumnLinear(torch.autograd.Function):

@@ -169,6 +169,9 @@ def test_bad_logprobs_are_400s(server: str) -> None:
             "response_format",
             "'json_object' is not supported",
         ),
+        ("chat/completions", {**chat, "functions": [{"name": "f"}]}, "functions", "supported"),
+        ("chat/completions", {**chat, "tool_choice": "required"}, "tool_choice", "tool call"),
+        ("chat/completions", {**chat, "function_call": {"name": "f"}}, "function_call", "tool"),
         (
             "completions",
             {**comp, "response_format": {"type": "json_schema", "json_schema": {}}},
@@ -187,6 +190,6 @@ def test_bad_logprobs_are_400s(server: str) -> None:
         error = reply.json()["error"]
         assert error["param"] == param and words in error["message"], (body, error)
     # plain text, asked for in so many words, is served
-    text = {**chat, "response_format": {"type": "text"}}
+    text = {**chat, "response_format": {"type": "text"}, "tool_choice": "none"}
     reply = httpx.post(f"{server}/v1/chat/completions", json=text, timeout=30.0)
     assert reply.status_code == 200, reply.text

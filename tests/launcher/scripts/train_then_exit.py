@@ -1,9 +1,16 @@
-"""Train a few ZeRO-3 steps on gloo, then exit without destroying the process groups, as most
-training scripts do (with ``--own-group`` the script makes the world group itself, as a user or
-another framework may, before shardspeed sees it; with ``--torch-destroy`` it destroys the groups
-through torch at the end, which leaves shardspeed's caches holding them). An exit handler registered before shardspeed's (so it runs after it) prints
-the threads this process still has: shardspeed's handler must have freed every gloo group by then,
-or gloo's threads are left to interpreter shutdown, where they can abort the process."""
+"""Train a few ZeRO-3 steps on gloo and end as the flags say; by default without destroying the
+process groups, as most training scripts do.
+
+- ``--own-group``: the script makes the world group itself (as a user or another framework may)
+  before shardspeed sees it.
+- ``--torch-destroy`` / ``--shardspeed-destroy``: the script destroys the groups at its end,
+  through torch (which leaves shardspeed's caches holding them) or through shardspeed.
+- ``--user-exit-handler``: an exit handler registered after importing shardspeed, before init,
+  still uses the world group (a barrier), then destroys it: it must run before shardspeed's.
+
+An exit handler registered before shardspeed is imported (so it runs last) prints the threads
+the process still has: every gloo group must be freed by then, or gloo's threads are left to
+interpreter shutdown, where they can abort the process."""
 
 from __future__ import annotations
 
@@ -27,15 +34,22 @@ def _report_threads() -> None:
 atexit.register(_report_threads)
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 import shardspeed  # noqa: E402
 from shardspeed import comm  # noqa: E402
 
 
-def main() -> None:
-    if "--own-group" in sys.argv:
-        import torch.distributed as dist
+def _user_exit_handler() -> None:
+    dist.barrier()
+    dist.destroy_process_group()
+    os.write(1, f"USER_EXIT_HANDLER_DONE rank={os.environ.get('RANK')}\n".encode())
 
+
+def main() -> None:
+    if "--user-exit-handler" in sys.argv:
+        atexit.register(_user_exit_handler)
+    if "--own-group" in sys.argv:
         dist.init_process_group("gloo")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
@@ -49,6 +63,9 @@ def main() -> None:
         loss = engine(torch.randn(2, 8)).square().mean()
         engine.backward(loss)
         engine.step()
+    # imported after init, this binds the world group as a default argument of its __init__
+    from torch.distributed.optim import ZeroRedundancyOptimizer  # noqa: F401
+
     # a group made through the registry, with a gloo reduce-scatter on it: both keep the
     # group in module-level caches (the registry, the send/recv tags, the node-crossing check)
     # (launched on 3 ranks: ranks 0 and 1 share a group that is not the world)
@@ -57,11 +74,13 @@ def main() -> None:
         out = torch.empty(2)
         comm.reduce_scatter_tensor(out, torch.ones(4), group=pair)
         assert out.tolist() == [2.0, 2.0], out
+    # rank 2 makes its group of one through rank 0's store after the others have moved on
+    comm.barrier()
     print(f"TRAINED rank={comm.get_rank()}", flush=True)
     if "--torch-destroy" in sys.argv:
-        import torch.distributed as dist
-
         dist.destroy_process_group()
+    if "--shardspeed-destroy" in sys.argv:
+        comm.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -213,6 +213,9 @@ class ChatCompletionRequest(GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
+    functions: list[dict[str, Any]] | None = None  # tools' older name
+    tool_choice: str | dict[str, Any] | None = None
+    function_call: str | dict[str, Any] | None = None  # tool_choice's older name
 
     @field_validator("top_logprobs")
     @classmethod
@@ -221,11 +224,22 @@ class ChatCompletionRequest(GenerationRequest):
             raise ValueError("top_logprobs needs logprobs: true")
         return value
 
-    @field_validator("tools")
+    @field_validator("tools", "functions")
     @classmethod
     def _unset(cls, value: Any, info: ValidationInfo) -> Any:
         if value:
             raise ValueError(f"{info.field_name} is not supported: leave it unset")
+        return value
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_call(cls, value: Any, info: ValidationInfo) -> Any:
+        # "none" and "auto" mean no call without tools; a forced call cannot be honoured
+        if value not in (None, "none", "auto"):
+            raise ValueError(
+                f"{info.field_name}={value!r} asks for a tool call, which is not supported: "
+                'leave it unset or use "none"'
+            )
         return value
 
     def logprob_count(self) -> int | None:
