@@ -11,7 +11,8 @@
 # parts' logs in gpu_check_logs.tgz (a device run returns at most 8 files).
 # GPU_CHECK_ONLY=serving runs, after the install and import parts, only inference v2's check
 # instead (issue 29, ~5 minutes): its engine, attention and scheduler tests on the GPU, then
-# benchmarks/bench_serving.py (v2 vs HF static batches vs v1 fused) in fp32 and bf16.
+# benchmarks/bench_serving.py (v2 vs HF static batches vs v1 fused) in fp32 and bf16, then under
+# a burst of 128 requests at two token budgets; figures in bench_serving.jsonl, one line a run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(mktemp -d)}
@@ -22,10 +23,22 @@ PY=${PYTHON:-$(command -v python3 || command -v python)}
 summary="$OUT/gpu_summary.md"
 started=$(date +%s)
 
+# GPU_CHECK_DEADLINE (seconds from the start, default none) caps every part's limit at the time
+# left and skips the parts that would get under 20 s, so a device call ends inside its timeout
+deadline=${GPU_CHECK_DEADLINE:-0}
 part() {  # part NAME SECONDS COMMAND...: run with a limit, log it, add a summary line
-  local name=$1 limit=$2 begin rc
+  local name=$1 limit=$2 begin rc left
   shift 2
   begin=$(date +%s)
+  if [ "$deadline" -gt 0 ]; then
+    left=$((started + deadline - begin))
+    if [ "$left" -lt 20 ]; then
+      echo "| $name | skipped | 0 s | ${left} s left before GPU_CHECK_DEADLINE |" >>"$summary"
+      echo "skipped: ${left} s left" >"$OUT/$name.log"
+      return
+    fi
+    [ "$left" -lt "$limit" ] && limit=$left
+  fi
   timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
   rc=$?
   echo "| $name | exit $rc | $(($(date +%s) - begin)) s | $(tail -n 1 "$OUT/$name.log" | cut -c1-160) |" >>"$summary"
@@ -60,13 +73,23 @@ if [ "${GPU_CHECK_ONLY:-}" = serving ]; then
     --ignore tests/inference/v2/test_server_penalties.py \
     --ignore tests/inference/v2/test_server_ops.py \
     --ignore tests/inference/v2/test_server_tp.py --ignore tests/inference/v2/test_engine_v2_tp.py
-  for dtype in float32 bfloat16; do
-    # (GPU_CHECK_DEVICE=cpu GPU_CHECK_BENCH_ARGS=--tiny tries it on a CPU machine)
-    part "bench_serving_$dtype" 150 "$PY" benchmarks/bench_serving.py \
-      --device "${GPU_CHECK_DEVICE:-cuda}" --dtype "$dtype" --rate 100 --requests 64 \
-      --rounds 3 --hidden 1024 --heads 16 --kv-heads 8 ${GPU_CHECK_BENCH_ARGS:-}
-    tail -n 1 "$OUT/bench_serving_$dtype.log" >"$OUT/bench_serving_$dtype.json"
-  done
+  # (GPU_CHECK_DEVICE=cpu GPU_CHECK_BENCH_ARGS=--tiny tries it on a CPU machine)
+  serving() {  # serving NAME ARGS...: one bench_serving run on the small Llama, its JSON kept
+    local name=$1
+    shift
+    part "$name" 150 "$PY" benchmarks/bench_serving.py --device "${GPU_CHECK_DEVICE:-cuda}" \
+      --rounds 3 --hidden 1024 --heads 16 --kv-heads 8 "$@" ${GPU_CHECK_BENCH_ARGS:-}
+    tail -n 1 "$OUT/$name.log" >>"$OUT/bench_serving.jsonl"
+  }
+  # the CPU table's workload (100 requests/s) in both dtypes, then a saturating one (all 128
+  # requests at once) at the default token budget and at a short step's budget, then the first
+  # workload at that budget
+  serving bench_serving_fp32 --dtype float32 --rate 100 --requests 64
+  serving bench_serving_bf16 --dtype bfloat16 --rate 100 --requests 64
+  serving bench_serving_bf16_burst --dtype bfloat16 --rate 5000 --requests 128 --kv-blocks 4096
+  serving bench_serving_bf16_burst_b128 --dtype bfloat16 --rate 5000 --requests 128 --kv-blocks 4096 \
+    --token-budget 128
+  serving bench_serving_bf16_b128 --dtype bfloat16 --rate 100 --requests 64 --token-budget 128
   echo "total $(($(date +%s) - started)) s" >>"$summary"
   (cd "$OUT" && tar czf gpu_check_logs.tgz ./*.log && rm -f ./*.log)
   cat "$summary"

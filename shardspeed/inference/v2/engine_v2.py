@@ -269,7 +269,9 @@ class InferenceEngineV2:
         (its new tokens, vocab) at every one of its new tokens (prompt log-probabilities).
         A new scored sequence computes its whole prompt: it adopts no cached prefix."""
         uids = [int(u) for u in batch_uids]
-        runs = [torch.as_tensor(t).reshape(-1).to(torch.int64) for t in batch_tokens]
+        # the tokens may come on any device (the last step's argmax on the GPU, a prompt on
+        # the host): the engine keeps them on the host, where it reads them anyway
+        runs = [torch.as_tensor(t).reshape(-1).to("cpu", torch.int64) for t in batch_tokens]
         scored = {int(u) for u in scored_uids}
         # the cached blocks each new unscored sequence will adopt, matched once: the batch
         # check counts them as computing nothing, and the adoption below takes exactly them

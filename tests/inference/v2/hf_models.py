@@ -49,16 +49,28 @@ def tokens(length: int, seed: int) -> torch.Tensor:
     return torch.randint(1, VOCAB, (length,), generator=generator)
 
 
+def _device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
 @torch.no_grad()
 def last_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """The model's own logits of the last token of the whole sequence ``ids`` (1-D)."""
-    return model(ids[None]).logits[0, -1].float()
+    """The model's own logits of the last token of the whole sequence ``ids`` (1-D), on the
+    host (the model runs wherever it is: an engine may have moved it to the accelerator)."""
+    return model(ids[None].to(_device(model))).logits[0, -1].float().cpu()
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, **kwargs: Any) -> None:
+    """``torch.testing.assert_close`` on the host: an engine's logits come from the accelerator
+    when there is one, a reference's from wherever its model was."""
+    torch.testing.assert_close(actual.cpu(), expected.cpu(), **kwargs)
 
 
 @torch.no_grad()
 def greedy(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, **kwargs: Any) -> list[int]:
     """Hugging Face ``generate(do_sample=False)``'s ``new_tokens`` tokens after ``ids`` (1-D);
     ``kwargs`` go to ``generate`` too (penalties, logits processors)."""
+    ids = ids.to(_device(model))
     out = model.generate(
         ids[None],
         attention_mask=torch.ones_like(ids[None]),

@@ -55,7 +55,7 @@ def test_ragged_batches_match_hf_forward(family_model: tuple[str, Any]) -> None:
         for row, (uid, run) in enumerate(step.items()):
             seqs[uid] = torch.cat([seqs[uid], run])
             want = hm.last_logits(model, seqs[uid])
-            torch.testing.assert_close(logits[row], want, atol=ATOL, rtol=0)
+            hm.assert_close(logits[row], want, atol=ATOL, rtol=0)
     assert engine.seen_tokens(2) == 42
 
 
@@ -84,7 +84,7 @@ def test_sliding_window_is_applied() -> None:
     ids = hm.tokens(30, 30)
     assert (hm.last_logits(windowed, ids) - hm.last_logits(full, ids)).abs().max() > 1e-3
     got = make_engine(windowed).put([1], [ids])[0]
-    torch.testing.assert_close(got, hm.last_logits(windowed, ids), atol=ATOL, rtol=0)
+    hm.assert_close(got, hm.last_logits(windowed, ids), atol=ATOL, rtol=0)
 
 
 def test_mixtral_router_matches_hf() -> None:
@@ -108,9 +108,9 @@ def test_mixtral_router_matches_hf() -> None:
             h.remove()
     assert len(seen[0]) == len(seen[1]) == 2
     for (hf_logits, hf_scores, hf_idx), (logits, scores, idx) in zip(*seen, strict=True):
-        assert torch.equal(idx, hf_idx)
-        torch.testing.assert_close(scores, hf_scores, atol=1e-5, rtol=0)
-        torch.testing.assert_close(logits, hf_logits, atol=1e-5, rtol=0)
+        assert torch.equal(idx.cpu(), hf_idx.cpu())
+        hm.assert_close(scores, hf_scores, atol=1e-5, rtol=0)
+        hm.assert_close(logits, hf_logits, atol=1e-5, rtol=0)
 
 
 def test_from_local_path(tmp_path: Any) -> None:
@@ -120,9 +120,7 @@ def test_from_local_path(tmp_path: Any) -> None:
         str(tmp_path), {"state_manager": {"memory_config": {"mode": "allocate", "size": 8}}}
     )
     ids = hm.tokens(11, 50)
-    torch.testing.assert_close(
-        engine.put([3], [ids])[0], hm.last_logits(model, ids), atol=ATOL, rtol=0
-    )
+    hm.assert_close(engine.put([3], [ids])[0], hm.last_logits(model, ids), atol=ATOL, rtol=0)
     assert engine.kv_block_size == 64 and engine.total_blocks == 8
     with pytest.raises(ValueError, match="not a local directory"):
         build_hf_engine(str(tmp_path / "missing"))
@@ -217,9 +215,7 @@ def test_flush_returns_every_block(llama: Any) -> None:
     assert engine.free_blocks == total and engine.n_tracked_sequences == 0
     # a flushed uid starts afresh when put again
     ids = hm.tokens(6, 4)
-    torch.testing.assert_close(
-        engine.put([1], [ids])[0], hm.last_logits(llama, ids), atol=ATOL, rtol=0
-    )
+    hm.assert_close(engine.put([1], [ids])[0], hm.last_logits(llama, ids), atol=ATOL, rtol=0)
 
 
 def test_flush_errors(llama: Any) -> None:
@@ -282,7 +278,7 @@ def test_bf16_model_and_cache() -> None:
     assert engine._cache.keys[0].dtype == torch.bfloat16
     got = engine.put([1], [ids])[0]
     assert got.dtype == torch.float32
-    assert (got - want).abs().max() < 0.1 * want.abs().max()
+    assert (got.cpu() - want).abs().max() < 0.1 * want.abs().max()
 
 
 def test_gpt2_context_ends_with_its_position_table() -> None:

@@ -18,12 +18,12 @@ def _check_logits(engine: Any, model: Any) -> None:
     seqs = {uid: hm.tokens(n, 7 + uid) for uid, n in enumerate([5, 19, 33])}
     logits = engine.put(list(seqs), list(seqs.values()))
     for row, ids in enumerate(seqs.values()):
-        torch.testing.assert_close(logits[row], hm.last_logits(model, ids), atol=ATOL, rtol=0)
+        hm.assert_close(logits[row], hm.last_logits(model, ids), atol=ATOL, rtol=0)
     nxt = {uid: hm.tokens(1, 50 + uid) for uid in seqs}
     logits = engine.put(list(nxt), list(nxt.values()))
     for row, uid in enumerate(nxt):
         want = hm.last_logits(model, torch.cat([seqs[uid], nxt[uid]]))
-        torch.testing.assert_close(logits[row], want, atol=ATOL, rtol=0)
+        hm.assert_close(logits[row], want, atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mixtral"])

@@ -14,6 +14,7 @@ from shardspeed.inference.v2.ragged import (
     RaggedBatchMetadata,
     SequenceDescriptor,
     paged_attention,
+    ragged_sdpa_backends,
 )
 
 HEAD_DIM = 8
@@ -119,3 +120,22 @@ def test_metadata_and_shape_errors() -> None:
         paged_attention(torch.zeros(2, 4, HEAD_DIM), cache, cache, meta)
     with pytest.raises(ValueError, match="query has 3 tokens"):
         paged_attention(torch.zeros(3, 3, HEAD_DIM), cache, cache, meta)
+
+
+def test_ragged_forward_keeps_sdpa_off_cudnn_on_cuda() -> None:
+    """cuDNN's SDPA kernel builds a plan per new shape (about half a second each on an H200),
+    and a ragged batch has a new shape at almost every step: on CUDA the ragged forward lets
+    SDPA choose only flash, memory-efficient or math. Elsewhere nothing changes."""
+    flags = (
+        torch.backends.cuda.cudnn_sdp_enabled,
+        torch.backends.cuda.flash_sdp_enabled,
+        torch.backends.cuda.mem_efficient_sdp_enabled,
+        torch.backends.cuda.math_sdp_enabled,
+    )
+    before = [flag() for flag in flags]
+    assert before[0]  # torch's default: cuDNN allowed
+    with ragged_sdpa_backends(torch.device("cuda", 0)):
+        assert [flag() for flag in flags] == [False, True, True, True]
+    assert [flag() for flag in flags] == before
+    with ragged_sdpa_backends(torch.device("cpu")):
+        assert [flag() for flag in flags] == before

@@ -52,7 +52,7 @@ def _check_dense(out: torch.Tensor, q: torch.Tensor, plan: list[tuple[int, int]]
     start = 0
     for (seen, new), k, v in zip(plan, keys, values, strict=True):
         want = _dense_reference(q[start : start + new], k, v, seen)
-        torch.testing.assert_close(out[start : start + new], want, atol=1e-5, rtol=0)
+        hm.assert_close(out[start : start + new], want, atol=1e-5, rtol=0)
         start += new
 
 
@@ -78,7 +78,7 @@ def test_decode_path_and_length_buckets(heads: int, kv_heads: int) -> None:
     outs = [paged_attention(q, cache.keys[0], cache.values[0], m) for m in (bucketed, whole)]
     reference = paged_attention(q, cache.keys[0], cache.values[0], general)
     for out in outs:
-        torch.testing.assert_close(out, reference, atol=1e-5, rtol=0)
+        hm.assert_close(out, reference, atol=1e-5, rtol=0)
     _check_dense(outs[0], q, plan, keys, values)
 
 
@@ -102,7 +102,7 @@ def test_fresh_prefill_path(heads: int, kv_heads: int) -> None:
     general = paged_attention(
         q, cache.keys[0], cache.values[0], dataclasses.replace(meta, fresh=False)
     )
-    torch.testing.assert_close(out, general, atol=1e-6, rtol=0)
+    hm.assert_close(out, general, atol=1e-6, rtol=0)
     _check_dense(out, q, plan, keys, values)
     # a cached prefix anywhere in the batch rules the causal-only path out
     assert not RaggedBatchMetadata.build([0, 4], [3, 2], [[1], [2, 3]], block).fresh
@@ -116,12 +116,12 @@ def test_rotary_table_equals_the_module() -> None:
     positions = torch.tensor([0, 7, 3, 300, 2])
     cos, sin = lm._rotary(hidden, positions)
     want_cos, want_sin = lm.base.rotary_emb(hidden[None], positions[None])
-    torch.testing.assert_close(cos, want_cos[0], atol=1e-7, rtol=0)
-    torch.testing.assert_close(sin, want_sin[0], atol=1e-7, rtol=0)
+    hm.assert_close(cos, want_cos[0], atol=1e-7, rtol=0)
+    hm.assert_close(sin, want_sin[0], atol=1e-7, rtol=0)
     # grows past its first size
     far = torch.tensor([511])
     cos, _ = lm._rotary(hidden[:1], far)
-    torch.testing.assert_close(cos, lm.base.rotary_emb(hidden[None, :1], far[None])[0][0])
+    hm.assert_close(cos, lm.base.rotary_emb(hidden[None, :1], far[None])[0][0])
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -141,14 +141,14 @@ def test_bucketed_decode_and_fresh_prefill_match_hf(family_model: tuple[str, Any
     seqs = {uid: hm.tokens(n, 40 + uid) for uid, n in enumerate(lengths)}
     logits = engine.put(list(seqs), list(seqs.values()))
     for row, ids in enumerate(seqs.values()):
-        torch.testing.assert_close(logits[row], hm.last_logits(model, ids), atol=ATOL, rtol=0)
+        hm.assert_close(logits[row], hm.last_logits(model, ids), atol=ATOL, rtol=0)
     for step in range(2):
         nxt = {uid: hm.tokens(1, 100 + 10 * step + uid) for uid in seqs}
         logits = engine.put(list(nxt), list(nxt.values()))
         for row, uid in enumerate(nxt):
             seqs[uid] = torch.cat([seqs[uid], nxt[uid]])
             want = hm.last_logits(model, seqs[uid])
-            torch.testing.assert_close(logits[row], want, atol=ATOL, rtol=0)
+            hm.assert_close(logits[row], want, atol=ATOL, rtol=0)
 
 
 def test_fresh_prompts_split_from_continued_chunks() -> None:
@@ -164,7 +164,7 @@ def test_fresh_prompts_split_from_continued_chunks() -> None:
     out = paged_attention(q, cache.keys[0], cache.values[0], split)
     whole = RaggedBatchMetadata.build(*args, split=False)
     assert not whole.fresh
-    torch.testing.assert_close(
+    hm.assert_close(
         out, paged_attention(q, cache.keys[0], cache.values[0], whole), atol=1e-6, rtol=0
     )
     _check_dense(out, q, plan, keys, values)

@@ -44,7 +44,7 @@ def test_shared_prefix_runs_only_the_tail(llama: Any) -> None:
     logits = engine.put([2], [b])
     assert engine.computed_tokens - computed == 3 and engine.prefix_hit_tokens == 12
     assert free - engine.free_blocks == 1  # 15 tokens in 4 blocks, 3 of them shared
-    torch.testing.assert_close(logits[0], hm.last_logits(llama, b), atol=ATOL, rtol=0)
+    hm.assert_close(logits[0], hm.last_logits(llama, b), atol=ATOL, rtol=0)
     # both keep decoding correctly: the shared blocks are never written
     seqs = {1: a, 2: b}
     for step in range(6):
@@ -52,9 +52,7 @@ def test_shared_prefix_runs_only_the_tail(llama: Any) -> None:
         out = engine.put(list(runs), list(runs.values()))
         for row, uid in enumerate(runs):
             seqs[uid] = torch.cat([seqs[uid], runs[uid]])
-            torch.testing.assert_close(
-                out[row], hm.last_logits(llama, seqs[uid]), atol=ATOL, rtol=0
-            )
+            hm.assert_close(out[row], hm.last_logits(llama, seqs[uid]), atol=ATOL, rtol=0)
     free = engine.free_blocks
     engine.flush(1)  # 23 tokens: 6 blocks, 3 still held by sequence 2, 2 full ones cached
     assert engine.free_blocks == free + 3 and engine.cached_blocks == 2
@@ -77,7 +75,7 @@ def test_prefix_caching_off(llama: Any) -> None:
     b = torch.cat([prefix, hm.tokens(3, 3)])
     assert engine.prefix_match(b) == 0
     computed = engine.computed_tokens
-    torch.testing.assert_close(engine.put([2], [b])[0], hm.last_logits(llama, b), atol=ATOL, rtol=0)
+    hm.assert_close(engine.put([2], [b])[0], hm.last_logits(llama, b), atol=ATOL, rtol=0)
     assert engine.computed_tokens - computed == 15 and engine.prefix_hit_tokens == 0
 
 
@@ -129,7 +127,7 @@ def test_random_put_flush_never_leaks() -> None:
             if puts % 40 == 0:
                 uid = next(iter(batch))
                 want = hm.last_logits(model, live[uid])
-                torch.testing.assert_close(out[0], want, atol=ATOL, rtol=0)
+                hm.assert_close(out[0], want, atol=ATOL, rtol=0)
         for uid in [u for u in live if live[u].numel() > 30 or rng.random() < 0.3]:
             engine.flush(uid)
             del live[uid]
@@ -169,10 +167,10 @@ def test_flushed_prompt_is_reused(llama: Any) -> None:
     assert engine._state.get_sequence(2).block_ids[:3] == blocks  # adopted, 0 -> 1 holder
     assert engine.cached_blocks == 0 and [_ref(engine, b) for b in blocks] == [1, 1, 1]
     assert free - engine._cache.allocator.free_blocks == 2  # only the tail's two blocks
-    torch.testing.assert_close(logits[0], hm.last_logits(llama, longer), atol=ATOL, rtol=0)
+    hm.assert_close(logits[0], hm.last_logits(llama, longer), atol=ATOL, rtol=0)
     out = engine.put([2], [hm.tokens(1, 23)])  # decoding on top of the adopted blocks
     want = hm.last_logits(llama, torch.cat([longer, hm.tokens(1, 23)]))
-    torch.testing.assert_close(out[0], want, atol=ATOL, rtol=0)
+    hm.assert_close(out[0], want, atol=ATOL, rtol=0)
     engine.flush(2)
     # caching off: a flushed prompt leaves nothing behind
     off = make_engine(llama, blocks=16, prefix_caching=False)
@@ -207,7 +205,7 @@ def test_full_cache_evicts_least_recently_used(llama: Any) -> None:
     engine.flush(5)
     x = hm.tokens(13, 42)
     logits = engine.put([6], [x])  # four blocks: c's two, then d's two
-    torch.testing.assert_close(logits[0], hm.last_logits(llama, x), atol=ATOL, rtol=0)
+    hm.assert_close(logits[0], hm.last_logits(llama, x), atol=ATOL, rtol=0)
     assert engine.evicted_blocks == 6
     assert not cached("c") and not cached("d") and cached("a")
     _check_holders(engine)
@@ -243,7 +241,7 @@ def test_stale_chain_never_matches(llama: Any) -> None:
     probe = torch.cat([other, prompt[4:]])
     assert engine.prefix_match(probe) == 4  # ``other``'s block only, never the stale child
     out = engine.put([4], [probe])
-    torch.testing.assert_close(out[0], hm.last_logits(llama, probe), atol=ATOL, rtol=0)
+    hm.assert_close(out[0], hm.last_logits(llama, probe), atol=ATOL, rtol=0)
 
 
 def test_private_parent_chain_not_indexed(llama: Any) -> None:
@@ -265,7 +263,7 @@ def test_private_parent_chain_not_indexed(llama: Any) -> None:
     probe = torch.cat([other, prompt[4:]])
     assert engine.prefix_match(probe) == 4
     out = engine.put([4], [probe])
-    torch.testing.assert_close(out[0], hm.last_logits(llama, probe), atol=ATOL, rtol=0)
+    hm.assert_close(out[0], hm.last_logits(llama, probe), atol=ATOL, rtol=0)
 
 
 def test_a_batch_adopts_its_cached_prefixes_before_anything_evicts_them(llama: Any) -> None:
@@ -286,4 +284,4 @@ def test_a_batch_adopts_its_cached_prefixes_before_anything_evicts_them(llama: A
     logits = engine.put([3, 4], [hm.tokens(1, 44), extended])
     assert engine.prefix_hit_tokens - hits == 8
     assert engine.computed_tokens - computed == 2
-    torch.testing.assert_close(logits[1], hm.last_logits(llama, extended), atol=ATOL, rtol=0)
+    hm.assert_close(logits[1], hm.last_logits(llama, extended), atol=ATOL, rtol=0)

@@ -414,7 +414,7 @@ def test_logprobs_are_the_models_raw_log_softmax() -> None:
         got = events[uid]
         tokens = [e.token for e in got]
         with torch.no_grad():
-            logits = model(torch.tensor([prompt + tokens])).logits[0].float()
+            logits = model(torch.tensor([prompt + tokens], device=model.device)).logits[0].float()
         want = logits[len(prompt) - 1 : -1].log_softmax(dim=-1)
         for step, event in enumerate(got):
             assert event.logprob == pytest.approx(float(want[step, event.token]), abs=1e-4)
@@ -445,7 +445,8 @@ def test_prompt_logprobs_over_chunks_equal_hf() -> None:
     entries = events[0].prompt_logprobs
     assert events[0].uid == uid and len(entries) == len(prompt)
     with torch.no_grad():
-        want = model(torch.tensor([prompt])).logits[0].float().log_softmax(dim=-1)
+        want = model(torch.tensor([prompt], device=model.device)).logits[0]
+        want = want.float().log_softmax(dim=-1)
     assert entries[0] == (prompt[0], None, ())
     for t in range(1, len(prompt)):
         token, logprob, top = entries[t]

@@ -21,7 +21,11 @@ from shardspeed.inference.fused.attention import rotate_half
 from shardspeed.inference.fused.fuse_linear import fuse_linears
 from shardspeed.inference.quantization import Int8Linear
 from shardspeed.inference.v2.ragged.kv_cache import BlockedKVCache
-from shardspeed.inference.v2.ragged.paged_attention import RaggedBatchMetadata, paged_attention
+from shardspeed.inference.v2.ragged.paged_attention import (
+    RaggedBatchMetadata,
+    paged_attention,
+    ragged_sdpa_backends,
+)
 
 __all__ = ["SUPPORTED_FAMILIES", "RaggedCausalLM"]
 
@@ -170,12 +174,13 @@ class RaggedCausalLM(nn.Module):
         for window in self._windows:
             if window is not None and window not in metas:
                 metas[window] = _windowed(meta, window)
-        if self.layout == "gpt2":
-            hidden = self._gpt2_layers(input_ids, meta, metas, cache)
-            norm = self.base.ln_f
-        else:
-            hidden = self._rotary_layers(input_ids, meta, metas, cache)
-            norm = self.base.norm
+        with ragged_sdpa_backends(input_ids.device):
+            if self.layout == "gpt2":
+                hidden = self._gpt2_layers(input_ids, meta, metas, cache)
+                norm = self.base.ln_f
+            else:
+                hidden = self._rotary_layers(input_ids, meta, metas, cache)
+                norm = self.base.norm
         hidden = norm(self._last_tokens(hidden, meta) if rows is None else hidden[rows])
         logits = self.hf_model.lm_head(hidden)
         return logits.float()

@@ -3,7 +3,11 @@ per-sequence block tables, and paged attention over them."""
 
 from shardspeed.inference.v2.ragged.blocked_allocator import BlockedAllocator
 from shardspeed.inference.v2.ragged.kv_cache import BlockedKVCache, SequenceDescriptor
-from shardspeed.inference.v2.ragged.paged_attention import RaggedBatchMetadata, paged_attention
+from shardspeed.inference.v2.ragged.paged_attention import (
+    RaggedBatchMetadata,
+    paged_attention,
+    ragged_sdpa_backends,
+)
 
 __all__ = [
     "BlockedAllocator",
@@ -11,4 +15,5 @@ __all__ = [
     "RaggedBatchMetadata",
     "SequenceDescriptor",
     "paged_attention",
+    "ragged_sdpa_backends",
 ]

@@ -17,15 +17,34 @@ attends, per group of sequences (``RaggedBatchMetadata.parts``):
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-__all__ = ["RaggedBatchMetadata", "paged_attention"]
+__all__ = ["RaggedBatchMetadata", "paged_attention", "ragged_sdpa_backends"]
+
+# SDPA's kernels for ragged batches on CUDA: cuDNN's is left out. It builds an execution plan
+# for every new input shape (about half a second each), and a ragged batch brings a new shape
+# at almost every step: on an H200 in bf16, with cuDNN allowed, inter-token latency p99 was
+# 563 ms (benchmarks/bench_serving.py at 100 requests/s)
+_RAGGED_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+@contextlib.contextmanager
+def ragged_sdpa_backends(device: torch.device) -> Iterator[None]:
+    """Within it, SDPA on ``device`` picks among the kernels that need no per-shape plan (flash,
+    memory-efficient, math); elsewhere than CUDA it changes nothing."""
+    if device.type != "cuda":
+        yield
+        return
+    with sdpa_kernel(_RAGGED_BACKENDS):
+        yield
 
 
 @dataclass(frozen=True)
