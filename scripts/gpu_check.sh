@@ -12,7 +12,8 @@
 # GPU_CHECK_ONLY=serving runs, after the install and import parts, only inference v2's check
 # instead (issue 29, ~5 minutes): its engine, attention and scheduler tests on the GPU, then
 # benchmarks/bench_serving.py (v2 vs HF static batches vs v1 fused) in fp32 and bf16, then under
-# a burst of 128 requests at two token budgets; figures in bench_serving.jsonl, one line a run.
+# a burst of 128 requests at two token budgets, and one decoding step timed alone; figures in
+# bench_serving.jsonl, one line a run (GPU_CHECK_SERVING_RUNS names a subset, see below).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(mktemp -d)}
@@ -81,15 +82,33 @@ if [ "${GPU_CHECK_ONLY:-}" = serving ]; then
       --rounds 3 --hidden 1024 --heads 16 --kv-heads 8 "$@" ${GPU_CHECK_BENCH_ARGS:-}
     tail -n 1 "$OUT/$name.log" >>"$OUT/bench_serving.jsonl"
   }
-  # the CPU table's workload (100 requests/s) in both dtypes, then a saturating one (all 128
-  # requests at once) at the default token budget and at a short step's budget, then the first
-  # workload at that budget
-  serving bench_serving_fp32 --dtype float32 --rate 100 --requests 64
-  serving bench_serving_bf16 --dtype bfloat16 --rate 100 --requests 64
-  serving bench_serving_bf16_burst --dtype bfloat16 --rate 5000 --requests 128 --kv-blocks 4096
-  serving bench_serving_bf16_burst_b128 --dtype bfloat16 --rate 5000 --requests 128 --kv-blocks 4096 \
-    --token-budget 128
-  serving bench_serving_bf16_b128 --dtype bfloat16 --rate 100 --requests 64 --token-budget 128
+  # the runs, by name (GPU_CHECK_SERVING_RUNS picks some, in its order): the CPU table's
+  # workload (100 requests/s) in both dtypes; a saturating one (all 128 requests at once) at the
+  # default token budget and at a short step's budget; the first at that budget; then one
+  # decoding step timed alone (bench_v2_step.py: v2 against HF and v1 at 8 and 64 sequences)
+  serving_run() {
+    case $1 in
+      fp32) serving bench_serving_fp32 --dtype float32 --rate 100 --requests 64 ;;
+      bf16) serving bench_serving_bf16 --dtype bfloat16 --rate 100 --requests 64 ;;
+      bf16_burst)
+        serving bench_serving_bf16_burst --dtype bfloat16 --rate 5000 --requests 128 \
+          --kv-blocks 4096 ;;
+      bf16_burst_b128)
+        serving bench_serving_bf16_burst_b128 --dtype bfloat16 --rate 5000 --requests 128 \
+          --kv-blocks 4096 --token-budget 128 ;;
+      bf16_b128)
+        serving bench_serving_bf16_b128 --dtype bfloat16 --rate 100 --requests 64 \
+          --token-budget 128 ;;
+      step_*)
+        part "bench_v2_$1" 90 "$PY" benchmarks/bench_v2_step.py \
+          --device "${GPU_CHECK_DEVICE:-cuda}" --dtype "${1#step_}" ${GPU_CHECK_BENCH_ARGS:-}
+        tail -n 1 "$OUT/bench_v2_$1.log" >>"$OUT/bench_serving.jsonl" ;;
+      *) echo "| $1 | unknown run | 0 s | |" >>"$summary" ;;
+    esac
+  }
+  for run in ${GPU_CHECK_SERVING_RUNS:-fp32 bf16 bf16_burst bf16_burst_b128 bf16_b128 step_bfloat16}; do
+    serving_run "$run"
+  done
   echo "total $(($(date +%s) - started)) s" >>"$summary"
   (cd "$OUT" && tar czf gpu_check_logs.tgz ./*.log && rm -f ./*.log)
   cat "$summary"

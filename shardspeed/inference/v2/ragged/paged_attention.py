@@ -130,7 +130,10 @@ class RaggedBatchMetadata:
         )
         seen_t = torch.tensor(list(seen_tokens), dtype=torch.int64)
         new_t = torch.tensor(list(new_tokens), dtype=torch.int64)
-        groups = _groups(seen_tokens, new_tokens, block_tables, block_size) if split else []
+        groups = []
+        if split:
+            buckets = _max_decode_buckets(device)
+            groups = _groups(seen_tokens, new_tokens, block_tables, block_size, buckets)
         parts: list[tuple[torch.Tensor, RaggedBatchMetadata]] = []
         if groups:
             starts = torch.cumsum(new_t, 0) - new_t
@@ -267,6 +270,16 @@ def _ints(values: Sequence[int] | torch.Tensor) -> list[int]:
 # layer: below it the call's fixed cost outweighs the copy and compute saved (measured on CPU).
 _MIN_SPLIT_SAVING = 1024
 _MAX_DECODE_BUCKETS = 4
+
+
+def _max_decode_buckets(device: torch.device | str) -> int:
+    """How many context-length buckets decode tokens may be split into on ``device``: on CPU
+    a padded key costs compute and copies, so similar lengths are grouped; on an accelerator a
+    step is bound by kernel launches (about ten more per layer for each bucket) long before
+    the padded keys of these contexts cost anything, so decode tokens stay in one call."""
+    return _MAX_DECODE_BUCKETS if torch.device(device).type == "cpu" else 1
+
+
 # Fewest new tokens of fresh prompts (nothing cached) worth their own causal attention call,
 # next to prompt chunks that continue a cached prefix.
 _MIN_FRESH_TOKENS = 128
@@ -277,10 +290,11 @@ def _groups(
     new_tokens: Sequence[int],
     block_tables: Sequence[Sequence[int]],
     block_size: int,
+    max_buckets: int = _MAX_DECODE_BUCKETS,
 ) -> list[list[int]]:
     """The sequence groups attention runs separately (none: one call for the batch): the
-    single-token sequences, in buckets of similar context length, then the longer runs (fresh
-    prompts apart from continued ones when they are many tokens)."""
+    single-token sequences, in up to ``max_buckets`` buckets of similar context length, then
+    the longer runs (fresh prompts apart from continued ones when they are many tokens)."""
     single = [s for s, n in enumerate(new_tokens) if n == 1]
     longer = [s for s, n in enumerate(new_tokens) if n != 1]
     fresh = [s for s in longer if seen_tokens[s] == 0]
@@ -297,7 +311,7 @@ def _groups(
         # split by context length while a split saves enough padded keys: a sorted run of
         # block counts split at i pads i sequences to its i-th count, the rest to its maximum
         buckets = [sorted(single, key=lambda s: len(block_tables[s]))]
-        while len(buckets) < _MAX_DECODE_BUCKETS:
+        while len(buckets) < max_buckets:
             best: tuple[int, int, int] | None = None  # (saving, bucket, split point)
             for b, bucket in enumerate(buckets):
                 blocks = [len(block_tables[s]) for s in bucket]
