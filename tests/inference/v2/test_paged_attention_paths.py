@@ -117,13 +117,13 @@ def test_rotary_table_equals_the_module() -> None:
     lm = engine.model
     hidden = torch.zeros(5, 64)
     positions = torch.tensor([0, 7, 3, 300, 2])
-    cos, sin = lm._rotary(hidden, positions)
+    cos, sin = lm._rotary(hidden, positions, 300)
     want_cos, want_sin = lm.base.rotary_emb(hidden[None], positions[None])
     hm.assert_close(cos, want_cos[0], atol=1e-7, rtol=0)
     hm.assert_close(sin, want_sin[0], atol=1e-7, rtol=0)
     # grows past its first size
     far = torch.tensor([511])
-    cos, _ = lm._rotary(hidden[:1], far)
+    cos, _ = lm._rotary(hidden[:1], far, 511)
     hm.assert_close(cos, lm.base.rotary_emb(hidden[None, :1], far[None])[0][0])
 
 

@@ -188,8 +188,7 @@ class RaggedCausalLM(nn.Module):
     @staticmethod
     def _last_tokens(hidden: torch.Tensor, meta: RaggedBatchMetadata) -> torch.Tensor:
         """The rows of each sequence's last new token (unembedding only those)."""
-        counts = torch.bincount(meta.token_seq)
-        return hidden[torch.cumsum(counts, 0) - 1]
+        return hidden if meta.last_rows is None else hidden[meta.last_rows]
 
     def _rotary_layers(
         self,
@@ -199,7 +198,7 @@ class RaggedCausalLM(nn.Module):
         cache: BlockedKVCache,
     ) -> torch.Tensor:
         hidden = self.base.embed_tokens(input_ids)
-        cos, sin = self._rotary(hidden, meta.positions)
+        cos, sin = self._rotary(hidden, meta.positions, meta.max_position)
         tokens = hidden.shape[0]
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
@@ -243,15 +242,18 @@ class RaggedCausalLM(nn.Module):
         heads = qkv.shape[1] - 2 * kv
         return qkv[:, :heads], qkv[:, heads : heads + kv], qkv[:, heads + kv :]
 
-    def _rotary(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _rotary(
+        self, hidden: torch.Tensor, positions: torch.Tensor, max_position: int
+    ) -> tuple[torch.Tensor, ...]:
         """cos/sin (tokens, head_dim) of the model's own rotary module (its scaling variant
-        included) at ``positions``: for a static variant, rows of a table made once (grown by
-        doubling) rather than a module call every step."""
+        included) at ``positions`` (at most ``max_position``, known on the host): for a static
+        variant, rows of a table made once (grown by doubling) rather than a module call every
+        step."""
         rope = self.base.rotary_emb
         if getattr(rope, "rope_type", "default") not in _STATIC_ROPE:
             cos, sin = rope(hidden[None], positions[None])
             return cos[0], sin[0]
-        need = int(positions.max()) + 1
+        need = max_position + 1
         table = self._rope_table
         if (
             table is None

@@ -67,6 +67,10 @@ class RaggedBatchMetadata:
     ``decode``: every sequence brings one new token (attention takes one query row each).
     ``fresh``: no sequence has cached tokens and the mask is plain causal, so each sequence's
     keys/values are exactly its new tokens' (no padded context gathered from the cache).
+    ``new_counts`` (host ints): each sequence's number of new tokens; ``max_position`` (host
+    int): the largest position of a new token; ``last_rows`` (sequences,): each sequence's last
+    flat token (None for a decode batch, where row s is sequence s). Known on the host when the
+    batch is built, so the forward never waits on the device to learn them.
     """
 
     positions: torch.Tensor
@@ -80,6 +84,9 @@ class RaggedBatchMetadata:
     parts: tuple[tuple[torch.Tensor, RaggedBatchMetadata], ...] = ()
     decode: bool = False
     fresh: bool = False
+    new_counts: tuple[int, ...] = ()
+    max_position: int = 0
+    last_rows: torch.Tensor | None = None
     # per-step memo shared by every layer (gather indices by kv head count); not an init field,
     # so dataclasses.replace (e.g. a windowed copy) starts a fresh one
     memo: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -199,6 +206,9 @@ class RaggedBatchMetadata:
         positions = seen_t[token_seq] + token_offset
         slots = tables[token_seq, positions // block_size] * block_size + positions % block_size
 
+        new_counts = tuple(new_t.tolist())
+        max_position = int((seen_t + new_t).max()) - 1 if n_seq else 0
+        last_rows = None if max_new == 1 else (torch.cumsum(new_t, 0) - 1).to(device)
         if parts:
             # every part masks its own queries: the whole batch's mask would go unused
             mask = torch.ones(n_seq, 0, max_ctx, dtype=torch.bool)
@@ -225,6 +235,9 @@ class RaggedBatchMetadata:
             parts=parts,
             decode=max_new == 1,
             fresh=fresh,
+            new_counts=new_counts,
+            max_position=max_position,
+            last_rows=last_rows,
         )
 
     def gather_index(self, kv_heads: int, num_blocks: int) -> torch.Tensor:
@@ -395,9 +408,7 @@ def paged_attention(
         # Nothing cached before these tokens: each sequence attends causally to its own new
         # keys/values, one SDPA call per sequence (no padding to the longest prompt: padded
         # calls cost 2-3x as much for prompts of mixed lengths)
-        lengths = meta.memo.get("lengths")
-        if lengths is None:
-            lengths = meta.memo["lengths"] = torch.bincount(meta.token_seq, minlength=seqs).tolist()
+        lengths = meta.new_counts
         k = _gather_slots(key_cache, meta.slots, 0)  # (kv_heads, tokens, head_dim)
         v = _gather_slots(value_cache, meta.slots, 1)
         out = query.new_empty(tokens, heads, head_dim)
