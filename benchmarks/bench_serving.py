@@ -27,7 +27,9 @@ the modes interleaved (each round builds every mode afresh and warms it up on pr
 the workload, so no prefix cache or warm state carries over): a mode's figures are those of its
 median round by throughput, ``throughput_rounds`` lists every round's, and ``vs_hf_rounds`` each
 round's throughput over Hugging Face's in the same round (the ratio printed is their median).
-``--device cuda`` (and ``--dtype bfloat16``) runs every mode on a GPU. Prints one JSON line
+``--device cuda`` (and ``--dtype bfloat16``) runs every mode on a GPU; ``--cuda-graph`` has v2
+decode from CUDA graphs (``enable_cuda_graph``, every shape captured before the workload, as a
+server would at start-up). Prints one JSON line
 (with the 1-minute load average before and after).
 """
 
@@ -217,6 +219,7 @@ def _v2_mode(base: Any, args: argparse.Namespace) -> tuple[Any, Callable[[int], 
     context = args.prompt_max + args.out_max + 8
     config = RaggedInferenceEngineConfig(
         dtype=args.dtype,
+        enable_cuda_graph=args.cuda_graph,
         state_manager={
             "max_context": context,
             "max_ragged_batch_size": args.token_budget,
@@ -227,6 +230,8 @@ def _v2_mode(base: Any, args: argparse.Namespace) -> tuple[Any, Callable[[int], 
         },
     )
     engine = build_hf_engine(copy.deepcopy(base), config)
+    if args.cuda_graph:  # as a server does before it takes requests: no capture mid-workload
+        engine.capture_decode_graphs(args.max_sequences or args.requests, context)
     eos = base.config.eos_token_id
     scheduler = RaggedScheduler(engine, token_budget=args.token_budget, eos_token_ids=eos)
 
@@ -269,6 +274,11 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu, or cuda for a GPU")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--modes", default="shardspeed_v2,hf_static,shardspeed_v1_fused")
+    parser.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="v2 decodes from CUDA graphs (enable_cuda_graph), all captured before the workload",
+    )
     parser.add_argument("--tiny", action="store_true", help="seconds-long smoke run (tests)")
     args = parser.parse_args()
     if args.tiny:
@@ -355,6 +365,7 @@ def main() -> None:
                 "rounds": args.rounds,
                 "device": str(device),
                 "dtype": args.dtype,
+                "cuda_graph": args.cuda_graph,
                 "results": results,
                 "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
             }

@@ -14,7 +14,8 @@ wall time of
 * ``hf_generate`` / ``v1_fused``: one decoding step of ``generate`` at that batch size, from
   the time of ``--new`` tokens less that of one token (prompt, set-up and first token out).
 
-Prints one JSON line. On a GPU each wall time includes the device sync the step ends with (the
+``--cuda-graph`` has the v2 figures decode from CUDA graphs (``enable_cuda_graph``, captured
+before timing). Prints one JSON line. On a GPU each wall time includes the device sync the step ends with (the
 sampled tokens come back to the host), so it is the inter-token gap a server would see.
 """
 
@@ -69,6 +70,7 @@ def _v2(base: Any, args: argparse.Namespace, seqs: int, sync: Callable[[], None]
     context = args.prompt + args.new + 4 * args.repeats + 16
     config = RaggedInferenceEngineConfig(
         dtype=args.dtype,
+        enable_cuda_graph=args.cuda_graph,
         state_manager={
             "max_context": context,
             "max_ragged_batch_size": max(args.token_budget, seqs),
@@ -79,6 +81,8 @@ def _v2(base: Any, args: argparse.Namespace, seqs: int, sync: Callable[[], None]
         },
     )
     engine = build_hf_engine(copy.deepcopy(base), config)
+    if args.cuda_graph:
+        engine.capture_decode_graphs(seqs, context)
     scheduler = RaggedScheduler(engine, token_budget=args.token_budget)
     generator = torch.Generator().manual_seed(1)
     long = args.new + 4 * args.repeats
@@ -91,6 +95,8 @@ def _v2(base: Any, args: argparse.Namespace, seqs: int, sync: Callable[[], None]
     # the same decode step straight through the engine: a separate set of sequences
     uids = list(range(10_000, 10_000 + seqs))
     scheduler_free = build_hf_engine(copy.deepcopy(base), config)
+    if args.cuda_graph:
+        scheduler_free.capture_decode_graphs(seqs, context)
     for uid in uids:
         scheduler_free.put(
             [uid], [torch.randint(4, args.vocab, (args.prompt,), generator=generator)]
@@ -152,6 +158,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--cuda-graph", action="store_true", help="v2 decodes from CUDA graphs (CUDA only)"
+    )
     parser.add_argument("--tiny", action="store_true", help="seconds-long smoke run (tests)")
     args = parser.parse_args()
     if args.tiny:
@@ -184,6 +193,7 @@ def main() -> None:
                 "prompt": args.prompt,
                 "device": args.device,
                 "dtype": args.dtype,
+                "cuda_graph": args.cuda_graph,
                 "ms_per_step_by_sequences": results,
             }
         )

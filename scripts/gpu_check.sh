@@ -82,14 +82,22 @@ if [ "${GPU_CHECK_ONLY:-}" = serving ]; then
       --rounds 3 --hidden 1024 --heads 16 --kv-heads 8 "$@" ${GPU_CHECK_BENCH_ARGS:-}
     tail -n 1 "$OUT/$name.log" >>"$OUT/bench_serving.jsonl"
   }
-  # the runs, by name (GPU_CHECK_SERVING_RUNS picks some, in its order): the CPU table's
-  # workload (100 requests/s) in both dtypes; a saturating one (all 128 requests at once) at the
-  # default token budget and at a short step's budget; the first at that budget; then one
-  # decoding step timed alone (bench_v2_step.py: v2 against HF and v1 at 8 and 64 sequences)
+  # the runs, by name (GPU_CHECK_SERVING_RUNS picks some, in its order; *_graph: v2 decodes
+  # from CUDA graphs): the CPU table's workload (100 requests/s) in both dtypes; a saturating
+  # one (all 128 requests at once) at the default token budget and at a short step's budget;
+  # the first at that budget; one decoding step timed alone (bench_v2_step.py: v2 against HF
+  # and v1 at 8 and 64 sequences). Run with GPU_CHECK_DEADLINE, the later ones may not fit.
   serving_run() {
     case $1 in
       fp32) serving bench_serving_fp32 --dtype float32 --rate 100 --requests 64 ;;
       bf16) serving bench_serving_bf16 --dtype bfloat16 --rate 100 --requests 64 ;;
+      fp32_graph)
+        serving bench_serving_fp32_graph --dtype float32 --rate 100 --requests 64 --cuda-graph ;;
+      bf16_graph)
+        serving bench_serving_bf16_graph --dtype bfloat16 --rate 100 --requests 64 --cuda-graph ;;
+      bf16_burst_graph)
+        serving bench_serving_bf16_burst_graph --dtype bfloat16 --rate 5000 --requests 128 \
+          --kv-blocks 4096 --cuda-graph ;;
       bf16_burst)
         serving bench_serving_bf16_burst --dtype bfloat16 --rate 5000 --requests 128 \
           --kv-blocks 4096 ;;
@@ -99,6 +107,11 @@ if [ "${GPU_CHECK_ONLY:-}" = serving ]; then
       bf16_b128)
         serving bench_serving_bf16_b128 --dtype bfloat16 --rate 100 --requests 64 \
           --token-budget 128 ;;
+      step_*_graph)
+        dtype=${1#step_}
+        part "bench_v2_$1" 90 "$PY" benchmarks/bench_v2_step.py --cuda-graph \
+          --device "${GPU_CHECK_DEVICE:-cuda}" --dtype "${dtype%_graph}" ${GPU_CHECK_BENCH_ARGS:-}
+        tail -n 1 "$OUT/bench_v2_$1.log" >>"$OUT/bench_serving.jsonl" ;;
       step_*)
         part "bench_v2_$1" 90 "$PY" benchmarks/bench_v2_step.py \
           --device "${GPU_CHECK_DEVICE:-cuda}" --dtype "${1#step_}" ${GPU_CHECK_BENCH_ARGS:-}
@@ -106,7 +119,9 @@ if [ "${GPU_CHECK_ONLY:-}" = serving ]; then
       *) echo "| $1 | unknown run | 0 s | |" >>"$summary" ;;
     esac
   }
-  for run in ${GPU_CHECK_SERVING_RUNS:-fp32 bf16 bf16_burst bf16_burst_b128 bf16_b128 step_bfloat16}; do
+  runs="bf16 bf16_graph fp32_graph step_bfloat16 step_bfloat16_graph bf16_burst_graph fp32"
+  runs="$runs bf16_burst bf16_burst_b128 bf16_b128"
+  for run in ${GPU_CHECK_SERVING_RUNS:-$runs}; do
     serving_run "$run"
   done
   echo "total $(($(date +%s) - started)) s" >>"$summary"

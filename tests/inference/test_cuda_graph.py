@@ -4,13 +4,11 @@ it gives the same tokens as without; anywhere else the setting is refused, namin
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
 from shardspeed.inference.fused import static_step
-from tests.inference import models
+from tests.inference import models, recording_accelerator
 
 FAMILIES = ["llama", "qwen3", "gpt2"]
 
@@ -93,47 +91,11 @@ def test_cuda_graph_tokens_equal_without_graph(family):
     assert torch.equal(graphed.generate(padded, do_sample=False, **kwargs), want)
 
 
-class _RecordingAccelerator:
-    """Stands in for the CUDA accelerator: counts graph creations, captures and replays (the
-    captured body runs eagerly once; a replay does nothing)."""
-
-    class _Stream:
-        def wait_stream(self, other: object) -> None:
-            pass
-
-    def __init__(self) -> None:
-        self.created = self.captured = self.replayed = 0
-
-    def device_name(self) -> str:
-        return "recording"
-
-    def create_graph(self) -> object:
-        self.created += 1
-        return object()
-
-    def Stream(self) -> _Stream:  # noqa: N802 - the accelerator's name
-        return self._Stream()
-
-    def current_stream(self) -> _Stream:
-        return self._Stream()
-
-    def stream(self, stream: object) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
-
-    def capture_to_graph(self, graph: object) -> contextlib.AbstractContextManager:
-        self.captured += 1
-        return contextlib.nullcontext()
-
-    def replay_graph(self, graph: object) -> None:
-        self.replayed += 1
-
-
 def test_graph_captured_once_per_cache_and_replayed_per_token(monkeypatch):
     """The orchestration without a GPU: one capture at the first decode step, a replay at every
     decode step (the capturing one included), no recapture while the cache is reused, a new
     capture when a new batch size reallocates the cache."""
-    recorder = _RecordingAccelerator()
-    monkeypatch.setattr(static_step, "get_accelerator", lambda: recorder)
+    recorder = recording_accelerator.install(monkeypatch, static_step)
     engine = models.fused("llama")
     engine.fused.decode_mode = "cuda_graph"
     ids = models.prompt(batch=2)

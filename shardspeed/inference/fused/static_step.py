@@ -11,15 +11,12 @@ import torch
 
 from shardspeed.accelerator import get_accelerator
 from shardspeed.inference.fused.kv_cache import StaticKVCache
+from shardspeed.inference.graph_capture import capture_step
 
 if TYPE_CHECKING:
     from shardspeed.inference.fused.decoder import FusedCausalLM, Padding
 
 __all__ = ["StaticDecodeStep"]
-
-# eager runs on a side stream before capture, so that lazily created library handles and
-# workspaces exist before the graph records (PyTorch's recipe for torch.cuda.graph)
-_WARMUP_RUNS = 3
 
 
 class StaticDecodeStep:
@@ -89,19 +86,4 @@ class StaticDecodeStep:
         return self.model.run(self.token, self.position, self.cache, self.slot, mask)
 
     def _capture(self) -> None:
-        accelerator = get_accelerator()
-        graph = accelerator.create_graph()
-        if graph is None:
-            raise RuntimeError(
-                f"enable_cuda_graph: the {accelerator.device_name()} accelerator cannot capture "
-                "graphs; set enable_cuda_graph=False."
-            )
-        side = accelerator.Stream()
-        side.wait_stream(accelerator.current_stream())
-        with accelerator.stream(side):
-            for _ in range(_WARMUP_RUNS):  # each rewrites the current slot with equal values
-                self._step()
-        accelerator.current_stream().wait_stream(side)
-        with accelerator.capture_to_graph(graph):
-            self.logits = self._step()
-        self.graph = graph
+        self.graph, self.logits = capture_step(self._step)

@@ -19,6 +19,7 @@ from torch import nn
 from shardspeed.accelerator import get_accelerator
 from shardspeed.inference.tp_group import SINGLE, TPGroup
 from shardspeed.inference.v2.config_v2 import AllocationMode, RaggedInferenceEngineConfig
+from shardspeed.inference.v2.graphed_decode import GraphedDecode, graph_refusal
 from shardspeed.inference.v2.model.ragged_lm import RaggedCausalLM
 from shardspeed.inference.v2.ragged.kv_cache import BlockedKVCache
 from shardspeed.inference.v2.ragged.paged_attention import RaggedBatchMetadata
@@ -70,6 +71,17 @@ class InferenceEngineV2:
             device=self._model.device,
         )
         self._state = DSStateManager(sm, self._cache)
+        self.decode_graphs: GraphedDecode | None = None
+        """With ``enable_cuda_graph``: runs every decode batch (one new token per sequence,
+        nothing scored) from CUDA graphs."""
+        if config.enable_cuda_graph:
+            reason = graph_refusal(self._model, config.tensor_parallel.tp_size)
+            if reason is not None:
+                raise ValueError(f"enable_cuda_graph: {reason}; set enable_cuda_graph=False.")
+            self.decode_graphs = GraphedDecode(
+                self._model, self._cache, self._block_size, sm.max_ragged_sequence_count,
+                self._max_context, graph=True,
+            )  # fmt: skip
         self.computed_tokens = 0
         """Tokens run through the model so far (prefix-cache hits excluded)."""
         self.prefix_hit_tokens = 0
@@ -304,6 +316,15 @@ class InferenceEngineV2:
             seqs.append(seq)
             new_runs.append(run)
 
+        spans: dict[int, tuple[int, int]] = {}  # scored uid -> its rows in the logits
+        if self.decode_graphs is not None and not scored.intersection(uids):
+            if all(r.numel() == 1 for r in new_runs):
+                logits = self.decode_graphs.run(
+                    [int(r) for r in new_runs],
+                    [s.seen_tokens for s in seqs],
+                    [s.block_ids for s in seqs],
+                )
+                return self._forwarded(seqs, len(uids), logits), {}
         device = self._model.device
         meta = RaggedBatchMetadata.build(
             [s.seen_tokens for s in seqs],
@@ -314,7 +335,6 @@ class InferenceEngineV2:
         )
         flat = torch.cat(new_runs).to(device)
         rows = None
-        spans: dict[int, tuple[int, int]] = {}  # scored uid -> its rows in the logits
         if scored.intersection(uids):
             lengths = [r.numel() for r in new_runs]
             ends = torch.cumsum(torch.tensor(lengths), 0)
@@ -327,12 +347,39 @@ class InferenceEngineV2:
                     at += lengths[i]
             rows = torch.cat(parts).to(device)
         logits = self._model(flat, meta, self._cache, rows)
-        self.computed_tokens += flat.numel()
+        logits = self._forwarded(seqs, flat.numel(), logits)
+        every = {uid: logits[a:b] for uid, (a, b) in spans.items()}
+        return logits[: len(uids)], every
+
+    def _forwarded(
+        self, seqs: list[TrackedSequence], tokens: int, logits: torch.Tensor
+    ) -> torch.Tensor:
+        """``logits``, after the bookkeeping of a forward of ``tokens`` new tokens of ``seqs``."""
+        self.computed_tokens += tokens
         for seq in seqs:
             seq.post_forward()
             self._state.index_full_blocks(seq)
-        every = {uid: logits[a:b] for uid, (a, b) in spans.items()}
-        return logits[: len(uids)], every
+        return logits
+
+    def capture_decode_graphs(
+        self, max_sequences: int | None = None, max_context: int | None = None
+    ) -> int:
+        """With ``enable_cuda_graph``, capture now the graph of every decode batch shape up to
+        ``max_sequences`` sequences of ``max_context`` tokens (default: the config's limits), as
+        a server does before it takes requests, so that no decode step waits for a capture;
+        returns how many were captured. The captures write their keys and values into one KV
+        block held for the while (ValueError when none is free)."""
+        if self.decode_graphs is None:
+            raise ValueError("capture_decode_graphs needs enable_cuda_graph=True in the config.")
+        uid = -1
+        while self._state.get_sequence(uid) is not None:
+            uid -= 1
+        scratch = self._state.get_or_create_sequence(uid)
+        try:
+            self._state.reserve(scratch, 1)
+            return self.decode_graphs.capture_all(max_sequences, max_context, scratch.block_ids[0])
+        finally:
+            self._state.flush_sequence(uid)
 
     def _check_batch(
         self,

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from shardspeed.inference.v2.pipeline import Pipeline, Response, pipeline
 from tests.inference.v2.serve_model import Reference
@@ -108,6 +109,21 @@ def test_serve_flags_bound_each_steps_sequences(model_dir: Path, reference: Refe
     finally:
         loaded.shutdown()
     assert max(widest) == 2  # the bound was reached and held
+
+
+def test_serve_cuda_graph_flag(model_dir: Path) -> None:
+    """``--cuda-graph`` sets enable_cuda_graph; without CUDA loading refuses it by name."""
+    from shardspeed.inference.v2.serving.cli import build_parser, engine_config_from_args
+    from shardspeed.inference.v2.serving.server import load_generator
+
+    plain = engine_config_from_args(build_parser().parse_args(["--model", str(model_dir)]))
+    assert "enable_cuda_graph" not in plain
+    args = build_parser().parse_args(["--model", str(model_dir), "--cuda-graph"])
+    config = engine_config_from_args(args)
+    assert config["enable_cuda_graph"] is True
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA graphs exist only on CUDA devices"):
+            load_generator(str(model_dir), engine_config=config)
 
 
 @pytest.mark.timeout(300)

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-__all__ = ["RaggedBatchMetadata", "paged_attention", "ragged_sdpa_backends"]
+__all__ = ["RaggedBatchMetadata", "paged_attention", "private_workspace", "ragged_sdpa_backends"]
 
 # SDPA's kernels for ragged batches on CUDA: cuDNN's is left out. It builds an execution plan
 # for every new input shape (about half a second each), and a ragged batch brings a new shape
@@ -347,9 +347,24 @@ def _groups(
 _WORKSPACE = threading.local()
 
 
+@contextlib.contextmanager
+def private_workspace() -> Iterator[None]:
+    """Within it, every gather allocates its own buffer instead of this thread's reused one:
+    for a CUDA graph's capture, whose kernels keep writing to the addresses they were captured
+    with (a reused buffer may grow, be freed and be handed to something else)."""
+    saved = getattr(_WORKSPACE, "private", False)
+    _WORKSPACE.private = True
+    try:
+        yield
+    finally:
+        _WORKSPACE.private = saved
+
+
 def _buffer(slot: int, like: torch.Tensor, numel: int) -> torch.Tensor:
     """The first ``numel`` values of this thread's reused buffer ``slot`` (``like``'s dtype and
     device; valid until the next use of the same slot)."""
+    if getattr(_WORKSPACE, "private", False):
+        return like.new_empty(numel)
     buffers: dict[Any, torch.Tensor] | None = getattr(_WORKSPACE, "buffers", None)
     if buffers is None:
         buffers = _WORKSPACE.buffers = {}

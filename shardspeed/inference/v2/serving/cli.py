@@ -70,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-prefix-caching", action="store_true", help="do not share prompt-prefix KV blocks"
     )
     p.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="decode steps replayed from CUDA graphs, one per padded batch shape, each captured "
+        "the first time it is needed (enable_cuda_graph; CUDA and --tp 1 only)",
+    )
+    p.add_argument(
         "--api-key",
         default=os.environ.get("SHARDSPEED_API_KEY"),
         help="require this key on /v1 requests ('Authorization: Bearer KEY', the OpenAI "
@@ -102,6 +108,8 @@ def engine_config_from_args(args: argparse.Namespace) -> dict[str, Any]:
     config: dict[str, Any] = {"tensor_parallel": {"tp_size": args.tp}, "state_manager": state}
     if args.dtype is not None:
         config["dtype"] = args.dtype
+    if args.cuda_graph:
+        config["enable_cuda_graph"] = True
     return config
 
 
