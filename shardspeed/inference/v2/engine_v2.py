@@ -35,6 +35,13 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _host_ids(tokens: torch.Tensor | Sequence[int]) -> list[int]:
+    """Token ids as a list of host ints (a tensor of any shape and device, or ints)."""
+    if isinstance(tokens, list) and all(type(t) is int for t in tokens):
+        return tokens
+    return torch.as_tensor(tokens).reshape(-1).to("cpu", torch.int64).tolist()
+
+
 class InferenceEngineV2:
     """Runs ``model`` (a :class:`RaggedCausalLM`, or a Hugging Face model to wrap in one) over
     ragged batches under ``config`` (a :class:`RaggedInferenceEngineConfig` or its dict)."""
@@ -262,7 +269,7 @@ class InferenceEngineV2:
     def put(
         self,
         batch_uids: Iterable[int],
-        batch_tokens: Iterable[torch.Tensor],
+        batch_tokens: Iterable[torch.Tensor | Sequence[int]],
         do_checks: bool = True,
     ) -> torch.Tensor:
         """Run one forward over the batch: ``batch_tokens[i]`` are the next tokens of sequence
@@ -273,7 +280,7 @@ class InferenceEngineV2:
     def put_scored(
         self,
         batch_uids: Iterable[int],
-        batch_tokens: Iterable[torch.Tensor],
+        batch_tokens: Iterable[torch.Tensor | Sequence[int]],
         scored_uids: Iterable[int],
         do_checks: bool = True,
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
@@ -281,14 +288,14 @@ class InferenceEngineV2:
         (its new tokens, vocab) at every one of its new tokens (prompt log-probabilities).
         A new scored sequence computes its whole prompt: it adopts no cached prefix."""
         uids = [int(u) for u in batch_uids]
-        # the tokens may come on any device (the last step's argmax on the GPU, a prompt on
-        # the host): the engine keeps them on the host, where it reads them anyway
-        runs = [torch.as_tensor(t).reshape(-1).to("cpu", torch.int64) for t in batch_tokens]
+        # token ids as host ints: a tensor may be on any device (the last step's argmax on the
+        # GPU, a prompt on the host); the scheduler passes lists and skips the tensors
+        runs = [_host_ids(t) for t in batch_tokens]
         scored = {int(u) for u in scored_uids}
         # the cached blocks each new unscored sequence will adopt, matched once: the batch
         # check counts them as computing nothing, and the adoption below takes exactly them
         prefixes = [
-            self._state.match_prefix(run.tolist())
+            self._state.match_prefix(run)
             if uid not in scored and self._state.get_sequence(uid) is None
             else []
             for uid, run in zip(uids, runs, strict=False)  # a count mismatch: the check says so
@@ -297,7 +304,7 @@ class InferenceEngineV2:
         self._check_batch(uids, runs, do_checks, cached)
 
         seqs: list[TrackedSequence] = []
-        new_runs: list[torch.Tensor] = []
+        new_runs: list[list[int]] = []
         # every new sequence adopts its cached prefix before any reserves blocks: a reservation
         # may evict cached blocks, and must not evict those a later sequence of the batch was
         # checked (and charged) as taking from the cache
@@ -305,22 +312,22 @@ class InferenceEngineV2:
             if self._state.get_sequence(uid) is None:
                 fresh = self._state.get_or_create_sequence(uid)
                 if prefixes[i]:
-                    self._state.adopt_prefix(fresh, runs[i].tolist(), prefixes[i])
+                    self._state.adopt_prefix(fresh, runs[i], prefixes[i])
                     self.prefix_hit_tokens += cached[i]
                     runs[i] = runs[i][cached[i] :]
         for uid, run in zip(uids, runs, strict=True):
             seq = self._state.get_or_create_sequence(uid)
-            self._state.reserve(seq, run.numel())
-            seq.tokens.extend(run.tolist())
-            seq.pre_forward(run.numel())
+            self._state.reserve(seq, len(run))
+            seq.tokens.extend(run)
+            seq.pre_forward(len(run))
             seqs.append(seq)
             new_runs.append(run)
 
         spans: dict[int, tuple[int, int]] = {}  # scored uid -> its rows in the logits
         if self.decode_graphs is not None and not scored.intersection(uids):
-            if all(r.numel() == 1 for r in new_runs):
+            if all(len(r) == 1 for r in new_runs):
                 logits = self.decode_graphs.run(
-                    [int(r) for r in new_runs],
+                    [r[0] for r in new_runs],
                     [s.seen_tokens for s in seqs],
                     [s.block_ids for s in seqs],
                 )
@@ -328,15 +335,15 @@ class InferenceEngineV2:
         device = self._model.device
         meta = RaggedBatchMetadata.build(
             [s.seen_tokens for s in seqs],
-            [r.numel() for r in new_runs],
+            [len(r) for r in new_runs],
             [s.block_ids for s in seqs],
             self._block_size,
             device=device,
         )
-        flat = torch.cat(new_runs).to(device)
+        flat = torch.tensor([t for r in new_runs for t in r], dtype=torch.int64).to(device)
         rows = None
         if scored.intersection(uids):
-            lengths = [r.numel() for r in new_runs]
+            lengths = [len(r) for r in new_runs]
             ends = torch.cumsum(torch.tensor(lengths), 0)
             parts = [ends - 1]
             at = len(uids)
@@ -384,7 +391,7 @@ class InferenceEngineV2:
     def _check_batch(
         self,
         uids: list[int],
-        runs: list[torch.Tensor],
+        runs: list[list[int]],
         do_checks: bool,
         cached: list[int],
     ) -> None:
@@ -410,25 +417,25 @@ class InferenceEngineV2:
                 f"exceed state_manager.max_tracked_sequences={limit}; flush finished sequences.",
             )
         for uid, run in zip(uids, runs, strict=True):
-            if run.numel() == 0:
+            if len(run) == 0:
                 raise ValueError(f"sequence {uid}: put needs at least one token.")
             seq = self._state.get_sequence(uid)
             seen = 0 if seq is None else seq.seen_tokens
-            if seen + run.numel() > self._max_context:
+            if seen + len(run) > self._max_context:
                 raise SchedulingError(
                     SchedulingResult.SequenceTokenLimitExceeded,
-                    f": sequence {uid} would hold {seen + run.numel()} tokens, over "
+                    f": sequence {uid} would hold {seen + len(run)} tokens, over "
                     f"state_manager.max_context={self._max_context}; shorten the request or "
                     "raise max_context.",
                 )
-            needed_blocks += self._kv_requirements(seq, run.numel(), 1 << 62)[1]
+            needed_blocks += self._kv_requirements(seq, len(run), 1 << 62)[1]
         if do_checks:
-            result = self._schedule_result(uids, [r.numel() for r in runs], cached)
+            result = self._schedule_result(uids, [len(r) for r in runs], cached)
             if result != SchedulingResult.Success:
                 sm = self._config.state_manager
                 raise SchedulingError(
                     result,
-                    f": {len(uids)} sequence(s), {sum(r.numel() for r in runs)} token(s), "
+                    f": {len(uids)} sequence(s), {sum(len(r) for r in runs)} token(s), "
                     f"{needed_blocks} new KV block(s) of {self._state.free_blocks} free "
                     f"(limits: max_ragged_sequence_count={sm.max_ragged_sequence_count}, "
                     f"max_ragged_batch_size={sm.max_ragged_batch_size}, "

@@ -5,7 +5,7 @@ sequence's whole token history (no cache), so scheduling logic is tested without
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -69,10 +69,10 @@ class FakeEngine:
     def put(
         self,
         batch_uids: Iterable[int],
-        batch_tokens: Iterable[torch.Tensor],
+        batch_tokens: Iterable[torch.Tensor | Sequence[int]],
         do_checks: bool = True,
     ) -> torch.Tensor:
-        uids, toks = list(batch_uids), [t.tolist() for t in batch_tokens]
+        uids, toks = list(batch_uids), [torch.as_tensor(t).tolist() for t in batch_tokens]
         assert len(set(uids)) == len(uids), uids
         assert sum(len(t) for t in toks) <= self.max_batch_tokens
         assert len(uids) <= self.max_sequences

@@ -286,3 +286,15 @@ def test_gpt2_context_ends_with_its_position_table() -> None:
     assert engine.max_context == 32
     with pytest.raises(ValueError, match="max_context=32"):
         engine.put([1], [hm.tokens(33, 1)])
+
+
+def test_put_takes_token_lists_and_tensors_alike() -> None:
+    """A run of tokens may be a tensor of any shape or a list of ints (what the scheduler
+    passes): the same logits either way."""
+    model = hm.build("llama")
+    as_tensors, as_lists = make_engine(model), make_engine(model)
+    a, b = hm.tokens(9, 1), hm.tokens(4, 2)
+    want = as_tensors.put([1, 2], [a, b[None]])
+    hm.assert_close(as_lists.put([1, 2], [a.tolist(), b.tolist()]), want, atol=0, rtol=0)
+    want = as_tensors.put([1, 2], [torch.tensor(5), torch.tensor([6])])
+    hm.assert_close(as_lists.put([1, 2], [[5], [6]]), want, atol=0, rtol=0)

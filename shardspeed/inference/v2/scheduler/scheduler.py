@@ -55,13 +55,16 @@ class SchedulableEngine(Protocol):
     def max_context(self) -> int: ...
 
     def put(
-        self, batch_uids: Iterable[int], batch_tokens: Iterable[torch.Tensor], do_checks: bool = ...
+        self,
+        batch_uids: Iterable[int],
+        batch_tokens: Iterable[torch.Tensor | Sequence[int]],
+        do_checks: bool = ...,
     ) -> torch.Tensor: ...
 
     def put_scored(
         self,
         batch_uids: Iterable[int],
-        batch_tokens: Iterable[torch.Tensor],
+        batch_tokens: Iterable[torch.Tensor | Sequence[int]],
         scored_uids: Iterable[int],
         do_checks: bool = ...,
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]: ...
@@ -245,10 +248,8 @@ class RaggedScheduler:
             return []
         chunks = self._compose()
         requests = [self._running[c.uid] for c in chunks]
-        tokens = [
-            torch.tensor(r.tokens(c.start, c.length), dtype=torch.long)
-            for r, c in zip(requests, chunks, strict=True)
-        ]
+        # lists of ints: the engine reads the ids on the host (no tensor per sequence)
+        tokens = [r.tokens(c.start, c.length) for r, c in zip(requests, chunks, strict=True)]
         uids = [c.uid for c in chunks]
         scored = [c.uid for r, c in zip(requests, chunks, strict=True) if r.scores_prompt]
         if scored:

@@ -16,7 +16,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -114,7 +114,7 @@ class LockstepEngine:
     def put(
         self,
         batch_uids: Iterable[int],
-        batch_tokens: Iterable[torch.Tensor],
+        batch_tokens: Iterable[torch.Tensor | Sequence[int]],
         do_checks: bool = True,
     ) -> torch.Tensor:
         """``engine.put`` on every rank (the logits are gathered on each)."""
@@ -123,7 +123,7 @@ class LockstepEngine:
     def put_scored(
         self,
         batch_uids: Iterable[int],
-        batch_tokens: Iterable[torch.Tensor],
+        batch_tokens: Iterable[torch.Tensor | Sequence[int]],
         scored_uids: Iterable[int],
         do_checks: bool = True,
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
