@@ -217,9 +217,10 @@ def _v2_mode(base: Any, args: argparse.Namespace) -> tuple[Any, Callable[[int], 
     from shardspeed.inference.v2.scheduler import RaggedScheduler, SamplingParams
 
     context = args.prompt_max + args.out_max + 8
+    graphs = getattr(args, "cuda_graph", False)  # bench_server_http's arguments have none
     config = RaggedInferenceEngineConfig(
         dtype=args.dtype,
-        enable_cuda_graph=args.cuda_graph,
+        enable_cuda_graph=graphs,
         state_manager={
             "max_context": context,
             "max_ragged_batch_size": args.token_budget,
@@ -230,7 +231,7 @@ def _v2_mode(base: Any, args: argparse.Namespace) -> tuple[Any, Callable[[int], 
         },
     )
     engine = build_hf_engine(copy.deepcopy(base), config)
-    if args.cuda_graph:  # as a server does before it takes requests: no capture mid-workload
+    if graphs:  # as a server does before it takes requests: no capture mid-workload
         engine.capture_decode_graphs(args.max_sequences or args.requests, context)
     eos = base.config.eos_token_id
     scheduler = RaggedScheduler(engine, token_budget=args.token_budget, eos_token_ids=eos)
