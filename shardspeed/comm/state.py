@@ -287,8 +287,9 @@ def new_group(
     return dist.new_group(ranks=ranks, timeout=timeout, backend=backend)
 
 
-#: host (gloo) groups made for device groups, by the device group's id
-_HOST_GROUPS: dict[int, Any] = {}
+#: host (gloo) groups made for device groups, by the device group's id: (device group, host
+#: group), the device group held so that its id is not reused while the entry lives
+_HOST_GROUPS: dict[int, tuple[Any, Any]] = {}
 register_group_cache(_HOST_GROUPS.clear)
 
 
@@ -301,10 +302,10 @@ def host_group(group: Any = None) -> Any:
     _require_initialized("host_group")
     if dist.get_backend(group) == dist.Backend.GLOO:
         return group
-    key = id(group)
-    if key not in _HOST_GROUPS:
-        _HOST_GROUPS[key] = new_host_group(get_all_ranks_from_group(group))
-    return _HOST_GROUPS[key]
+    entry = _HOST_GROUPS.get(id(group))
+    if entry is None or entry[0] is not group:
+        entry = _HOST_GROUPS[id(group)] = (group, new_host_group(get_all_ranks_from_group(group)))
+    return entry[1]
 
 
 def new_host_group(ranks: list[int]) -> Any:
