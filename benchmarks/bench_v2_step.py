@@ -10,6 +10,8 @@ wall time of
 
 * ``v2_step``: one ``RaggedScheduler.step()`` (scheduling, metadata, forward, sampling);
 * ``v2_put``: one ``engine.put`` of the same decode tokens (no scheduler, no sampling);
+* ``v2_mixed_put``: one ``engine.put`` of those decode tokens and a new ``--prompt``-token
+  prompt (what a step is when a request arrives; never from a CUDA graph);
 * ``v2_metadata``: building the step's ``RaggedBatchMetadata`` alone (host work and copies);
 * ``hf_generate`` / ``v1_fused``: one decoding step of ``generate`` at that batch size, from
   the time of ``--new`` tokens less that of one token (prompt, set-up and first token out).
@@ -73,8 +75,8 @@ def _v2(base: Any, args: argparse.Namespace, seqs: int, sync: Callable[[], None]
         enable_cuda_graph=args.cuda_graph,
         state_manager={
             "max_context": context,
-            "max_ragged_batch_size": max(args.token_budget, seqs),
-            "max_ragged_sequence_count": seqs,
+            "max_ragged_batch_size": max(args.token_budget, seqs + args.prompt),
+            "max_ragged_sequence_count": seqs + 1,
             "max_tracked_sequences": seqs + 1,
             "kv_block_size": args.block_size,
             "memory_config": {"mode": "allocate", "size": (seqs + 1) * (context // 16 + 2)},
@@ -103,6 +105,13 @@ def _v2(base: Any, args: argparse.Namespace, seqs: int, sync: Callable[[], None]
         )
     last = [torch.tensor([3]) for _ in uids]
     figures["v2_put"] = _median_ms(lambda: scheduler_free.put(uids, last), args.repeats, sync)
+
+    def mixed() -> None:  # the decode tokens and a new prompt in one batch, then it leaves
+        prompt = torch.randint(4, args.vocab, (args.prompt,), generator=generator)
+        scheduler_free.put([*uids, 20_000], [*last, prompt])
+        scheduler_free.flush(20_000)
+
+    figures["v2_mixed_put"] = _median_ms(mixed, args.repeats, sync)
     seen = [args.prompt + args.repeats] * seqs
     blocks = (args.prompt + args.repeats) // args.block_size + 1
     tables = [list(range(s * blocks, (s + 1) * blocks)) for s in range(seqs)]

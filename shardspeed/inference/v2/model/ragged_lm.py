@@ -15,6 +15,7 @@ import dataclasses
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from shardspeed.inference.fused.attention import rotate_half
@@ -43,6 +44,26 @@ SUPPORTED_FAMILIES: tuple[str, ...] = tuple(_LAYOUTS)
 # rotary variants whose cos/sin at a position never change (no length-dependent rescaling):
 # a table built once and indexed by position gives the very values of a per-step call
 _STATIC_ROPE = frozenset({"default", "linear", "llama3"})
+
+
+# Hugging Face RMSNorm classes that compute weight * (x32 * rsqrt(mean(x32^2) + eps)).to(dtype)
+_HF_RMS_NORMS = frozenset(
+    {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MixtralRMSNorm"}
+)
+
+
+def _norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)`` for a norm layer; a Hugging Face RMSNorm as ``F.rms_norm`` (one fused
+    kernel on CUDA, where the module's own forward launches seven), its arithmetic kept: the
+    normalisation in float32, then the cast, then the weight."""
+    if type(module).__name__ not in _HF_RMS_NORMS:
+        return module(x)
+    weight = module.weight
+    assert isinstance(weight, torch.Tensor)
+    eps = float(module.variance_epsilon)  # type: ignore[arg-type]
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -181,7 +202,7 @@ class RaggedCausalLM(nn.Module):
             else:
                 hidden = self._rotary_layers(input_ids, meta, metas, cache)
                 norm = self.base.norm
-        hidden = norm(self._last_tokens(hidden, meta) if rows is None else hidden[rows])
+        hidden = _norm(norm, self._last_tokens(hidden, meta) if rows is None else hidden[rows])
         logits = self.hf_model.lm_head(hidden)
         return logits.float()
 
@@ -202,10 +223,13 @@ class RaggedCausalLM(nn.Module):
         tokens = hidden.shape[0]
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            x = layer.input_layernorm(hidden)
+            x = _norm(layer.input_layernorm, hidden)
             q, k, v = self._project_qkv(i, attn, x)
             if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head
-                q, k = _rope(attn.q_norm(q), cos, sin), _rope(attn.k_norm(k), cos, sin)
+                q, k = (
+                    _rope(_norm(attn.q_norm, q), cos, sin),
+                    _rope(_norm(attn.k_norm, k), cos, sin),
+                )
             else:  # q and k side by side in the fused output: one rotary pass over both
                 heads = q.shape[1]
                 qk = _rope(_qk(q, k), cos, sin)
@@ -215,7 +239,7 @@ class RaggedCausalLM(nn.Module):
                 q, cache.keys[i], cache.values[i], metas[self._windows[i]], scale=attn.scaling
             )
             hidden = hidden + attn.o_proj(out.reshape(tokens, -1))
-            x = layer.post_attention_layernorm(hidden)
+            x = _norm(layer.post_attention_layernorm, hidden)
             gate_up = self._gate_up[i] if self._gate_up else None
             if gate_up is not None:
                 mlp = layer.mlp
