@@ -18,6 +18,7 @@ attends, per group of sequences (``RaggedBatchMetadata.parts``):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -161,21 +162,22 @@ class RaggedBatchMetadata:
                     new_t[g],
                     tables[g, :blocks],
                     block_size,
-                    device,
                     max_new=max(news),
                     fresh=not any(seen_tokens[s] for s in group),
                 )
-                parts.append((index.to(device), sub))
-        return cls._from_tensors(
+                parts.append((index, sub))
+        meta = cls._from_tensors(
             seen_t,
             new_t,
             tables,
             block_size,
-            device,
             max_new=max(new_tokens),
             fresh=not any(seen_tokens),
             parts=tuple(parts),
         )
+        # built on the host; to an accelerator in two copies (the integers, the masks) rather
+        # than one per tensor: on CUDA each copy from pageable memory waits for the stream
+        return meta if torch.device(device).type == "cpu" else _moved(meta, device)
 
     @classmethod
     def _from_tensors(
@@ -184,13 +186,13 @@ class RaggedBatchMetadata:
         new_t: torch.Tensor,
         tables: torch.Tensor,
         block_size: int,
-        device: torch.device | str,
         max_new: int,
         fresh: bool,
         parts: tuple[tuple[torch.Tensor, RaggedBatchMetadata], ...] = (),
     ) -> RaggedBatchMetadata:
-        """The metadata of checked per-sequence ``seen_t``/``new_t`` (int64) and padded block
-        ``tables`` (``max_new``: the largest new count; ``fresh``: nothing seen)."""
+        """The metadata, on the host, of checked per-sequence ``seen_t``/``new_t`` (int64) and
+        padded block ``tables`` (``max_new``: the largest new count; ``fresh``: nothing
+        seen)."""
         n_seq = new_t.numel()
         max_ctx = tables.shape[1] * block_size
         if max_new == 1:  # one token per sequence: flat token s is sequence s
@@ -208,7 +210,7 @@ class RaggedBatchMetadata:
 
         new_counts = tuple(new_t.tolist())
         max_position = int((seen_t + new_t).max()) - 1 if n_seq else 0
-        last_rows = None if max_new == 1 else (torch.cumsum(new_t, 0) - 1).to(device)
+        last_rows = None if max_new == 1 else torch.cumsum(new_t, 0) - 1
         if parts:
             # every part masks its own queries: the whole batch's mask would go unused
             mask = torch.ones(n_seq, 0, max_ctx, dtype=torch.bool)
@@ -224,13 +226,13 @@ class RaggedBatchMetadata:
                 mask[:, :, 0] |= pad_rows
 
         return cls(
-            positions=positions.to(device),
-            slots=slots.to(device),
-            query_index=query_index.to(device),
-            token_seq=token_seq.to(device),
-            token_offset=token_offset.to(device),
-            block_tables=tables.to(device),
-            mask=mask[:, None].to(device),
+            positions=positions,
+            slots=slots,
+            query_index=query_index,
+            token_seq=token_seq,
+            token_offset=token_offset,
+            block_tables=tables.contiguous(),
+            mask=mask[:, None],
             block_size=block_size,
             parts=parts,
             decode=max_new == 1,
@@ -270,6 +272,45 @@ class RaggedBatchMetadata:
             starts = torch.arange(seqs * kv_heads * group, device=first.device) * ctx
             bags = self.memo[key] = (rows, starts)
         return bags
+
+
+_INT_FIELDS = ("positions", "slots", "query_index", "token_seq", "token_offset", "block_tables")
+
+
+def _one_copy(tensors: list[torch.Tensor], device: torch.device | str) -> list[torch.Tensor]:
+    """``tensors`` (one dtype) on ``device`` through a single copy: views of one buffer."""
+    flat = torch.cat([t.reshape(-1) for t in tensors]).to(device)
+    pieces = flat.split([t.numel() for t in tensors])
+    return [piece.view(t.shape) for piece, t in zip(pieces, tensors, strict=True)]
+
+
+def _moved(meta: RaggedBatchMetadata, device: torch.device | str) -> RaggedBatchMetadata:
+    """``meta`` (and its parts) with every tensor on ``device``: the integer tensors in one
+    copy, the masks in another."""
+    metas = [meta] + [part for _, part in meta.parts]
+    ints = [getattr(m, name) for m in metas for name in _INT_FIELDS]
+    ints += [m.last_rows for m in metas if m.last_rows is not None]
+    ints += [index for index, _ in meta.parts]
+    moved = iter(_one_copy(ints, device))
+    masks = iter(_one_copy([m.mask for m in metas], device))
+    fields = [[next(moved) for _ in _INT_FIELDS] for _ in metas]
+    last_rows = [None if m.last_rows is None else next(moved) for m in metas]
+    rebuilt = [
+        dataclasses.replace(
+            m,
+            positions=f[0],
+            slots=f[1],
+            query_index=f[2],
+            token_seq=f[3],
+            token_offset=f[4],
+            block_tables=f[5],
+            mask=next(masks),
+            last_rows=rows,
+        )
+        for m, f, rows in zip(metas, fields, last_rows, strict=True)
+    ]
+    parts = tuple((next(moved), part) for part in rebuilt[1:])
+    return dataclasses.replace(rebuilt[0], parts=parts)
 
 
 def _ints(values: Sequence[int] | torch.Tensor) -> list[int]:
