@@ -10,10 +10,12 @@
 # in $OUT (or a temporary folder): gpu_summary.md (one line a part), bench_*.json, and the
 # parts' logs in gpu_check_logs.tgz (a device run returns at most 8 files).
 # GPU_CHECK_ONLY=serving runs, after the install and import parts, only inference v2's check
-# instead (issue 29, ~5 minutes): its engine, attention and scheduler tests on the GPU, then
-# benchmarks/bench_serving.py (v2 vs HF static batches vs v1 fused) in fp32 and bf16, then under
-# a burst of 128 requests at two token budgets, and one decoding step timed alone; figures in
-# bench_serving.jsonl, one line a run (GPU_CHECK_SERVING_RUNS names a subset, see below).
+# instead (issue 29): its engine, attention, scheduler and CUDA-graph tests on the GPU, then
+# benchmarks/bench_serving.py (v2 vs HF static batches vs v1 fused) with and without v2's CUDA
+# graphs in bf16 and fp32, one decoding step timed alone, and bursts of 128 requests; figures in
+# bench_serving.jsonl, one line a run (GPU_CHECK_SERVING_RUNS names a subset, see below). The
+# whole list takes longer than a device call may: run it with GPU_CHECK_DEADLINE=500 (the first
+# H200 run of the first six parts took 452 s, most of it the bf16 cuDNN bug fixed since).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(mktemp -d)}
