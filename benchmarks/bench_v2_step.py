@@ -31,8 +31,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import bench_serving as bs
 import torch
-import transformers
 
 
 def _median_ms(run: Callable[[], Any], repeats: int, sync: Callable[[], None]) -> float:
@@ -46,22 +46,15 @@ def _median_ms(run: Callable[[], Any], repeats: int, sync: Callable[[], None]) -
     return round(statistics.median(times) * 1000.0, 3)
 
 
+def _context(args: argparse.Namespace) -> int:
+    """The most tokens a sequence reaches here: its prompt, the static batches' new tokens and
+    every timed step's."""
+    return args.prompt + args.new + 4 * args.repeats + 16
+
+
 def _model(args: argparse.Namespace) -> Any:
-    config = transformers.LlamaConfig(
-        hidden_size=args.hidden,
-        intermediate_size=args.hidden * 11 // 4,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        vocab_size=args.vocab,
-        max_position_embeddings=args.prompt + args.new + args.repeats + 64,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval().requires_grad_(False)
-    return model.to(device=args.device, dtype=getattr(torch, args.dtype))
+    """bench_serving's small Llama, with positions for every token the steps here add."""
+    return bs._model(argparse.Namespace(**vars(args), prompt_max=_context(args), out_max=0))
 
 
 def _v2(base: Any, args: argparse.Namespace, seqs: int, sync: Callable[[], None]) -> dict:
@@ -69,7 +62,7 @@ def _v2(base: Any, args: argparse.Namespace, seqs: int, sync: Callable[[], None]
     from shardspeed.inference.v2.ragged.paged_attention import RaggedBatchMetadata
     from shardspeed.inference.v2.scheduler import RaggedScheduler, SamplingParams
 
-    context = args.prompt + args.new + 4 * args.repeats + 16
+    context = _context(args)
     config = RaggedInferenceEngineConfig(
         dtype=args.dtype,
         enable_cuda_graph=args.cuda_graph,

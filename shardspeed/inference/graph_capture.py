@@ -41,11 +41,6 @@ def capture_step(
         for _ in range(warmups):
             step()
     accelerator.current_stream().wait_stream(side)
-    capture = (
-        accelerator.capture_to_graph(graph)
-        if pool is None
-        else accelerator.capture_to_graph(graph, pool=pool)
-    )
-    with recording or contextlib.nullcontext(), capture:
+    with recording or contextlib.nullcontext(), accelerator.capture_to_graph(graph, pool=pool):
         output = step()
     return graph, output

@@ -323,8 +323,8 @@ class InferenceEngineV2:
             seqs.append(seq)
             new_runs.append(run)
 
-        spans: dict[int, tuple[int, int]] = {}  # scored uid -> its rows in the logits
-        if self.decode_graphs is not None and not scored.intersection(uids):
+        scoring = bool(scored.intersection(uids))
+        if self.decode_graphs is not None and not scoring:
             if all(len(r) == 1 for r in new_runs):
                 logits = self.decode_graphs.run(
                     [r[0] for r in new_runs],
@@ -342,7 +342,8 @@ class InferenceEngineV2:
         )
         flat = torch.tensor([t for r in new_runs for t in r], dtype=torch.int64).to(device)
         rows = None
-        if scored.intersection(uids):
+        spans: dict[int, tuple[int, int]] = {}  # scored uid -> its rows in the logits
+        if scoring:
             lengths = [len(r) for r in new_runs]
             ends = torch.cumsum(torch.tensor(lengths), 0)
             parts = [ends - 1]

@@ -53,6 +53,14 @@ def _bucket(n: int, limit: int) -> int:
     return min(size, limit)
 
 
+def _buckets_up_to(top: int) -> list[int]:
+    """Every bucket size up to bucket ``top``: the powers of two below it, then ``top``."""
+    sizes = [1]
+    while sizes[-1] < top:
+        sizes.append(min(2 * sizes[-1], top))
+    return sizes
+
+
 class _Bucket:
     """One padded decode shape (``seqs`` sequences of ``blocks`` blocks): its buffers, and its
     forward captured on them (or run eagerly on them)."""
@@ -109,7 +117,7 @@ class _Bucket:
         if owner.pool is None and hasattr(graph, "pool"):
             owner.pool = graph.pool()
         self.graph = graph
-        self.owner.captures += 1
+        owner.captures += 1
 
 
 class GraphedDecode:
@@ -171,22 +179,15 @@ class GraphedDecode:
             -(-(max_context or self.max_context) // self.block_size), self.max_blocks
         )
         new = 0
-        seqs = 1
-        while True:
-            blocks = 1
-            while True:
-                if (seqs, blocks) not in self.buckets:
-                    bucket = self.buckets[(seqs, blocks)] = _Bucket(self, seqs, blocks)
-                    # token 0 at position 0 of a table of only the scratch block
-                    rows = torch.full((seqs, 3 + blocks), scratch_block, dtype=torch.int64)
-                    rows[:, :2] = 0
-                    rows[:, 2] = scratch_block * self.block_size
-                    bucket(rows)
-                    new += 1
-                if blocks >= top_blocks:
-                    break
-                blocks = min(2 * blocks, top_blocks)
-            if seqs >= top_seqs:
-                break
-            seqs = min(2 * seqs, top_seqs)
+        for seqs in _buckets_up_to(top_seqs):
+            for blocks in _buckets_up_to(top_blocks):
+                if (seqs, blocks) in self.buckets:
+                    continue
+                bucket = self.buckets[(seqs, blocks)] = _Bucket(self, seqs, blocks)
+                # token 0 at position 0 of a table of only the scratch block
+                rows = torch.full((seqs, 3 + blocks), scratch_block, dtype=torch.int64)
+                rows[:, :2] = 0
+                rows[:, 2] = scratch_block * self.block_size
+                bucket(rows)
+                new += 1
         return new

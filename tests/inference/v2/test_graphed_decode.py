@@ -73,14 +73,19 @@ def test_scheduler_tokens_equal_hf_generate() -> None:
     assert engine.decode_graphs is not None and engine.decode_graphs.buckets
 
 
-def test_put_returns_a_copy_of_the_bucket_output() -> None:
+def test_put_returns_a_copy_of_the_bucket_output(monkeypatch) -> None:
+    """A replay rewrites the bucket's output buffer: what put returns must not be that buffer
+    (a caller keeping one step's logits would see them change at the next step)."""
+    recording_accelerator.install(monkeypatch, graphed_decode)
     engine = make_engine(hm.build("llama"))
-    _static(engine)
+    graphs = _static(engine, graph=True)
     engine.put([1, 2], [hm.tokens(5, 1), hm.tokens(6, 2)])
     first = engine.put([1, 2], [hm.tokens(1, 3), hm.tokens(1, 4)])
-    kept = first.clone()
-    engine.put([1, 2], [hm.tokens(1, 5), hm.tokens(1, 6)])
-    assert torch.equal(first, kept)
+    (bucket,) = graphs.buckets.values()
+    assert bucket.logits is not None and graphs.replays == 1
+    assert first.untyped_storage().data_ptr() != bucket.logits.untyped_storage().data_ptr()
+    second = engine.put([1, 2], [hm.tokens(1, 5), hm.tokens(1, 6)])
+    assert second.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
 
 
 def test_one_capture_per_bucket_and_a_replay_per_decode_step(monkeypatch) -> None:
