@@ -121,7 +121,9 @@ if [ "${GPU_CHECK_ONLY:-}" = serving ]; then
       *) echo "| $1 | unknown run | 0 s | |" >>"$summary" ;;
     esac
   }
-  runs="bf16 bf16_graph fp32_graph step_bfloat16 step_bfloat16_graph bf16_burst_graph fp32"
+  # graphs first: the fp32 run repeats the first H200 run's table with them (eager fp32 was
+  # measured there), then bf16 with and without them
+  runs="fp32_graph bf16_graph bf16 step_bfloat16_graph step_bfloat16 bf16_burst_graph fp32"
   runs="$runs bf16_burst bf16_burst_b128 bf16_b128"
   for run in ${GPU_CHECK_SERVING_RUNS:-$runs}; do
     serving_run "$run"

@@ -121,10 +121,11 @@ class RaggedInferenceEngineConfig(DeepSpeedConfigModel):
     kv_cache_dtype: FloatDType | None = None
     """The KV cache's dtype (None: the model's compute dtype)."""
     enable_cuda_graph: bool = False
-    """Decode batches replayed from CUDA graphs, one per padded batch shape, captured on first
-    use or by ``engine.capture_decode_graphs()`` (shardspeed's own; v1's setting of the same
-    name). CUDA, tp_size 1 and a family whose forward has fixed shapes only: anything else is
-    refused at build, naming the reason."""
+    """Decode batches and fresh prompts replayed from CUDA graphs, one per padded shape,
+    captured on first use or by ``engine.capture_decode_graphs()`` (shardspeed's own; v1's
+    setting of the same name); the engine holds one KV block for the prompts' padding. CUDA,
+    tp_size 1 and a family whose forward has fixed shapes only: anything else is refused at
+    build, naming the reason."""
 
     def resolved_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The compute dtype: ``dtype`` or the model's own."""

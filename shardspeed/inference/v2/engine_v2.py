@@ -22,7 +22,7 @@ from shardspeed.inference.v2.config_v2 import AllocationMode, RaggedInferenceEng
 from shardspeed.inference.v2.graphed_decode import GraphedDecode, graph_refusal
 from shardspeed.inference.v2.model.ragged_lm import RaggedCausalLM
 from shardspeed.inference.v2.ragged.kv_cache import BlockedKVCache
-from shardspeed.inference.v2.ragged.paged_attention import RaggedBatchMetadata
+from shardspeed.inference.v2.ragged.paged_attention import RaggedBatchMetadata, host_to_device
 from shardspeed.inference.v2.ragged.state_manager import DSStateManager, TrackedSequence
 from shardspeed.inference.v2.scheduling_utils import SchedulingError, SchedulingResult
 from shardspeed.inference.v2.serialization import save_model
@@ -80,14 +80,17 @@ class InferenceEngineV2:
         self._state = DSStateManager(sm, self._cache)
         self.decode_graphs: GraphedDecode | None = None
         """With ``enable_cuda_graph``: runs every decode batch (one new token per sequence,
-        nothing scored) from CUDA graphs."""
+        nothing scored) and every fresh prompt from CUDA graphs."""
         if config.enable_cuda_graph:
             reason = graph_refusal(self._model, config.tensor_parallel.tp_size)
             if reason is not None:
                 raise ValueError(f"enable_cuda_graph: {reason}; set enable_cuda_graph=False.")
+            # one block held for good: padding tokens of prompts write their keys/values there
+            scratch = int(self._cache.allocator.allocate(1)[0])
             self.decode_graphs = GraphedDecode(
                 self._model, self._cache, self._block_size, sm.max_ragged_sequence_count,
-                self._max_context, graph=True,
+                self._max_context, graph=True, scratch_block=scratch,
+                max_prompt_tokens=sm.max_ragged_batch_size,
             )  # fmt: skip
         self.computed_tokens = 0
         """Tokens run through the model so far (prefix-cache hits excluded)."""
@@ -323,71 +326,94 @@ class InferenceEngineV2:
             seqs.append(seq)
             new_runs.append(run)
 
-        scoring = bool(scored.intersection(uids))
-        if self.decode_graphs is not None and not scoring:
-            if all(len(r) == 1 for r in new_runs):
-                logits = self.decode_graphs.run(
-                    [r[0] for r in new_runs],
-                    [s.seen_tokens for s in seqs],
-                    [s.block_ids for s in seqs],
-                )
-                return self._forwarded(seqs, len(uids), logits), {}
+        if not scored.intersection(uids):
+            if self.decode_graphs is not None:
+                return self._forwarded(seqs, self._graphed(self.decode_graphs, seqs, new_runs)), {}
+            return self._forwarded(seqs, self._forward(seqs, new_runs)), {}
+        lengths = [len(r) for r in new_runs]
+        ends = torch.cumsum(torch.tensor(lengths), 0)
+        parts = [ends - 1]
+        spans: dict[int, tuple[int, int]] = {}  # scored uid -> its rows in the logits
+        at = len(uids)
+        for i, uid in enumerate(uids):
+            if uid in scored:
+                parts.append(torch.arange(int(ends[i]) - lengths[i], int(ends[i])))
+                spans[uid] = (at, at + lengths[i])
+                at += lengths[i]
+        logits = self._forwarded(seqs, self._forward(seqs, new_runs, torch.cat(parts)))
+        every = {uid: logits[a:b] for uid, (a, b) in spans.items()}
+        return logits[: len(uids)], every
+
+    def _forward(
+        self, seqs: list[TrackedSequence], runs: list[list[int]], rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The plain ragged forward of ``runs`` (the new tokens of ``seqs``, reserved): the
+        logits of each sequence's last token, or with ``rows`` (host) of those flat rows."""
         device = self._model.device
         meta = RaggedBatchMetadata.build(
             [s.seen_tokens for s in seqs],
-            [len(r) for r in new_runs],
+            [len(r) for r in runs],
             [s.block_ids for s in seqs],
             self._block_size,
             device=device,
         )
-        flat = torch.tensor([t for r in new_runs for t in r], dtype=torch.int64).to(device)
-        rows = None
-        spans: dict[int, tuple[int, int]] = {}  # scored uid -> its rows in the logits
-        if scoring:
-            lengths = [len(r) for r in new_runs]
-            ends = torch.cumsum(torch.tensor(lengths), 0)
-            parts = [ends - 1]
-            at = len(uids)
-            for i, uid in enumerate(uids):
-                if uid in scored:
-                    parts.append(torch.arange(int(ends[i]) - lengths[i], int(ends[i])))
-                    spans[uid] = (at, at + lengths[i])
-                    at += lengths[i]
-            rows = torch.cat(parts).to(device)
-        logits = self._model(flat, meta, self._cache, rows)
-        logits = self._forwarded(seqs, flat.numel(), logits)
-        every = {uid: logits[a:b] for uid, (a, b) in spans.items()}
-        return logits[: len(uids)], every
+        flat = host_to_device(torch.tensor([t for r in runs for t in r]), device)
+        on_device = None if rows is None else host_to_device(rows, device)
+        return self._model(flat, meta, self._cache, on_device)
 
-    def _forwarded(
-        self, seqs: list[TrackedSequence], tokens: int, logits: torch.Tensor
+    def _graphed(
+        self, graphs: GraphedDecode, seqs: list[TrackedSequence], runs: list[list[int]]
     ) -> torch.Tensor:
-        """``logits``, after the bookkeeping of a forward of ``tokens`` new tokens of ``seqs``."""
-        self.computed_tokens += tokens
+        """The logits of a batch run from ``graphs``: its decode tokens in one graph, each fresh
+        prompt in one, anything else (chunks continuing a cached prefix) the plain forward."""
+        decode = [i for i, run in enumerate(runs) if len(run) == 1]
+        prompts = [
+            i
+            for i, run in enumerate(runs)
+            if len(run) > 1
+            and seqs[i].seen_tokens == 0
+            and graphs.prompt_bucket_of(len(run)) is not None
+        ]
+        rest = sorted(set(range(len(runs))) - set(decode) - set(prompts))
+        pieces: list[tuple[list[int], torch.Tensor]] = []
+        if decode:
+            logits = graphs.run(
+                [runs[i][0] for i in decode],
+                [seqs[i].seen_tokens for i in decode],
+                [seqs[i].block_ids for i in decode],
+            )
+            pieces.append((decode, logits))
+        pieces += [([i], graphs.run_prompt(runs[i], seqs[i].block_ids)) for i in prompts]
+        if rest:
+            pieces.append((rest, self._forward([seqs[i] for i in rest], [runs[i] for i in rest])))
+        if len(pieces) == 1:  # one piece holds every row, in order
+            return pieces[0][1]
+        order = [i for rows, _ in pieces for i in rows]
+        logits = torch.cat([piece for _, piece in pieces])
+        return logits[host_to_device(torch.tensor(order).argsort(), logits.device)]
+
+    def _forwarded(self, seqs: list[TrackedSequence], logits: torch.Tensor) -> torch.Tensor:
+        """``logits``, after the bookkeeping of a forward of the new tokens of ``seqs``."""
         for seq in seqs:
+            self.computed_tokens += seq.in_flight_tokens
             seq.post_forward()
             self._state.index_full_blocks(seq)
         return logits
 
     def capture_decode_graphs(
-        self, max_sequences: int | None = None, max_context: int | None = None
+        self,
+        max_sequences: int | None = None,
+        max_context: int | None = None,
+        max_prompt_tokens: int | None = None,
     ) -> int:
         """With ``enable_cuda_graph``, capture now the graph of every decode batch shape up to
-        ``max_sequences`` sequences of ``max_context`` tokens (default: the config's limits), as
-        a server does before it takes requests, so that no decode step waits for a capture;
-        returns how many were captured. The captures write their keys and values into one KV
-        block held for the while (ValueError when none is free)."""
+        ``max_sequences`` sequences of ``max_context`` tokens and of every fresh-prompt shape up
+        to ``max_prompt_tokens`` tokens (default: the config's limits), as a server does before
+        it takes requests, so that no step waits for a capture; returns how many were captured.
+        The captures write keys and values only into the engine's scratch block."""
         if self.decode_graphs is None:
             raise ValueError("capture_decode_graphs needs enable_cuda_graph=True in the config.")
-        uid = -1
-        while self._state.get_sequence(uid) is not None:
-            uid -= 1
-        scratch = self._state.get_or_create_sequence(uid)
-        try:
-            self._state.reserve(scratch, 1)
-            return self.decode_graphs.capture_all(max_sequences, max_context, scratch.block_ids[0])
-        finally:
-            self._state.flush_sequence(uid)
+        return self.decode_graphs.capture_all(max_sequences, max_context, max_prompt_tokens)
 
     def _check_batch(
         self,

@@ -1,14 +1,24 @@
-"""Decode batches of inference v2 replayed from CUDA graphs (``enable_cuda_graph``).
+"""Decode batches and fresh prompts of inference v2 replayed from CUDA graphs
+(``enable_cuda_graph``).
 
-On a GPU a decode step (one new token for each of its sequences) is bound by the host: a small
-model's forward is a few hundred kernel launches of microseconds each. Here a decode batch is
-padded to a bucket (sequences: a power of two up to ``max_ragged_sequence_count``; blocks per
-sequence: a power of two up to what ``max_context`` needs), each bucket's forward is captured
-once on buffers allocated once, and every later decode step of that bucket copies its tokens,
-positions, cache slots and block tables into one buffer (one host-to-device copy) and replays
-the graph. Padding rows repeat the last real row (its token written again to the same slot,
-with the same values); padding blocks are masked like any decode batch's. Without ``graph`` the
-same buffers and arithmetic run eagerly, on any device (how the tests check them on a CPU).
+On a GPU a step of a small model is bound by the host: its forward is a few hundred kernel
+launches of microseconds each. Here
+
+* a decode batch (one new token per sequence) is padded to a bucket (sequences: a power of two
+  up to ``max_ragged_sequence_count``; blocks per sequence: a power of two up to what
+  ``max_context`` needs). Padding rows repeat the last real row (its token written again to the
+  same slot, with the same values); padding blocks are masked like any decode batch's;
+* a fresh prompt (a new sequence's whole prompt, nothing cached) is padded to a power of two of
+  tokens up to ``max_ragged_batch_size``. Its real tokens come first and attend causally, so
+  they never see the padding; padding tokens write their keys and values into a scratch KV block
+  no sequence holds.
+
+Each bucket's forward is captured once on buffers allocated once, and every later batch of that
+bucket copies its tokens, positions, cache slots (and block tables) into one buffer (one
+host-to-device copy) and replays the graph. A step that mixes decode tokens with prompts
+replays one graph for its decode tokens and one per fresh prompt; only prompt chunks that
+continue a cached prefix run the plain ragged forward. Without ``graph`` the same buffers and
+arithmetic run eagerly, on any device (how the tests check them on a CPU).
 """
 
 from __future__ import annotations
@@ -62,22 +72,19 @@ def _buckets_up_to(top: int) -> list[int]:
 
 
 class _Bucket:
-    """One padded decode shape (``seqs`` sequences of ``blocks`` blocks): its buffers, and its
-    forward captured on them (or run eagerly on them)."""
+    """One padded shape: its ``packed`` input buffer (int64, one row per sequence or token) and
+    its forward, captured on that buffer (or run eagerly on it)."""
 
-    def __init__(self, owner: GraphedDecode, seqs: int, blocks: int) -> None:
-        device = owner.model.device
-        self.owner, self.seqs = owner, seqs
-        #: one row per sequence: token, position, cache slot, then its block table
-        self.packed = torch.zeros(seqs, 3 + blocks, dtype=torch.int64, device=device)
-        self.keys = torch.arange(blocks * owner.block_size, device=device)
-        self.rows = torch.arange(seqs, device=device)
-        self.offsets = torch.zeros(seqs, dtype=torch.int64, device=device)
+    def __init__(self, owner: GraphedDecode, rows: int, columns: int) -> None:
+        self.owner = owner
+        self.packed = torch.zeros(rows, columns, dtype=torch.int64, device=owner.model.device)
         self.graph: Any = None
         self.logits: torch.Tensor | None = None
 
     def __call__(self, host_rows: torch.Tensor) -> torch.Tensor:
-        self.packed.copy_(host_rows)
+        # straight from pinned memory into the buffer, without waiting on the stream
+        cuda = self.packed.is_cuda
+        self.packed.copy_(host_rows.pin_memory() if cuda else host_rows, non_blocking=cuda)
         if not self.owner.use_graph:
             return self._step()
         if self.graph is None:
@@ -86,6 +93,35 @@ class _Bucket:
         self.owner.replays += 1
         assert self.logits is not None
         return self.logits
+
+    def _step(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _capture(self) -> None:
+        # every bucket's graph shares one memory pool: they replay one at a time, and each
+        # one's output is read before the next replay; the capture allocates its own gather
+        # buffers (its kernels keep the addresses they were captured with)
+        owner = self.owner
+        graph, self.logits = capture_step(
+            self._step, owner.pool, _WARMUP_RUNS, recording=private_workspace()
+        )
+        if owner.pool is None and hasattr(graph, "pool"):
+            owner.pool = graph.pool()
+        self.graph = graph
+        owner.captures += 1
+
+
+class _DecodeBucket(_Bucket):
+    """``seqs`` sequences of one new token each, over ``blocks`` blocks each. ``packed``: per
+    sequence its token, position, cache slot, then its block table."""
+
+    def __init__(self, owner: GraphedDecode, seqs: int, blocks: int) -> None:
+        super().__init__(owner, seqs, 3 + blocks)
+        device = self.packed.device
+        self.seqs = seqs
+        self.keys = torch.arange(blocks * owner.block_size, device=device)
+        self.rows = torch.arange(seqs, device=device)
+        self.offsets = torch.zeros(seqs, dtype=torch.int64, device=device)
 
     def _step(self) -> torch.Tensor:
         owner, packed = self.owner, self.packed
@@ -106,23 +142,45 @@ class _Bucket:
         )
         return owner.model(packed[:, 0].contiguous(), meta, owner.cache)
 
-    def _capture(self) -> None:
-        # every bucket's graph shares one memory pool: they replay one at a time, and each
-        # one's output is read before the next replay; the capture allocates its own gather
-        # buffers (its kernels keep the addresses they were captured with)
-        owner = self.owner
-        graph, self.logits = capture_step(
-            self._step, owner.pool, _WARMUP_RUNS, recording=private_workspace()
+
+class _PromptBucket(_Bucket):
+    """One fresh prompt padded to ``tokens`` tokens. ``packed``: per token its id, position and
+    cache slot, and (every row) the index of the prompt's last real token."""
+
+    def __init__(self, owner: GraphedDecode, tokens: int) -> None:
+        super().__init__(owner, tokens, 4)
+        device = self.packed.device
+        self.tokens = tokens
+        self.index = torch.arange(tokens, device=device)
+        self.zeros = torch.zeros(tokens, dtype=torch.int64, device=device)
+        # the fresh path reads neither a block table nor a mask: placeholders of the right rank
+        self.table = torch.zeros(1, 1, dtype=torch.int64, device=device)
+        self.mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
+
+    def _step(self) -> torch.Tensor:
+        owner, packed = self.owner, self.packed
+        meta = RaggedBatchMetadata(
+            positions=packed[:, 1].contiguous(),
+            slots=packed[:, 2].contiguous(),
+            query_index=self.index[None, :],
+            token_seq=self.zeros,
+            token_offset=self.index,
+            block_tables=self.table,
+            mask=self.mask,
+            block_size=owner.block_size,
+            fresh=True,
+            new_counts=(self.tokens,),
+            max_position=owner.max_context - 1,
+            last_rows=packed[:1, 3],
         )
-        if owner.pool is None and hasattr(graph, "pool"):
-            owner.pool = graph.pool()
-        self.graph = graph
-        owner.captures += 1
+        return owner.model(packed[:, 0].contiguous(), meta, owner.cache)
 
 
 class GraphedDecode:
-    """Decode batches of ``model`` over ``cache`` through padded buckets, each captured in a
-    CUDA graph on first use (``graph``) or run eagerly on the same buffers."""
+    """Decode batches and fresh prompts of ``model`` over ``cache`` through padded buckets,
+    each captured in a CUDA graph on first use (``graph``) or run eagerly on the same buffers.
+    ``scratch_block``: a KV block no sequence ever holds, where padding tokens of prompts write;
+    ``max_prompt_tokens``: the longest prompt run from a graph (0: none)."""
 
     def __init__(
         self,
@@ -132,20 +190,37 @@ class GraphedDecode:
         max_sequences: int,
         max_context: int,
         graph: bool,
+        scratch_block: int,
+        max_prompt_tokens: int = 0,
     ) -> None:
         self.model, self.cache, self.block_size = model, cache, block_size
         self.max_sequences, self.max_context, self.use_graph = max_sequences, max_context, graph
         self.max_blocks = -(-max_context // block_size)
-        self.buckets: dict[tuple[int, int], _Bucket] = {}
+        self.scratch_block = scratch_block
+        # a sliding window narrower than the padded prompt would need the masked (gathering)
+        # path: such prompts stay eager
+        window = model.smallest_window
+        self.max_prompt_tokens = min(max_prompt_tokens, max_context)
+        if window is not None:
+            self.max_prompt_tokens = min(self.max_prompt_tokens, window)
+        self.buckets: dict[tuple[int, int], _DecodeBucket] = {}
+        self.prompt_buckets: dict[int, _PromptBucket] = {}
         self.pool: Any = None
         self.captures = 0
         """Graphs captured so far."""
         self.replays = 0
-        """Decode steps replayed from a graph so far."""
+        """Batches replayed from a graph so far."""
 
     def bucket_of(self, sequences: int, blocks: int) -> tuple[int, int]:
         """The padded (sequences, blocks) a decode batch of that size runs in."""
         return _bucket(sequences, self.max_sequences), _bucket(blocks, self.max_blocks)
+
+    def prompt_bucket_of(self, tokens: int) -> int | None:
+        """The padded length a fresh prompt of ``tokens`` tokens runs in (None: it runs the
+        plain forward)."""
+        if not 1 < tokens <= self.max_prompt_tokens:
+            return None
+        return _bucket(tokens, self.max_prompt_tokens)
 
     def run(
         self, tokens: Sequence[int], seen: Sequence[int], tables: Sequence[Sequence[int]]
@@ -156,7 +231,7 @@ class GraphedDecode:
         seqs, blocks = key
         bucket = self.buckets.get(key)
         if bucket is None:
-            bucket = self.buckets[key] = _Bucket(self, seqs, blocks)
+            bucket = self.buckets[key] = _DecodeBucket(self, seqs, blocks)
         size = self.block_size
         rows = [
             [token, position, table[position // size] * size + position % size, *table]
@@ -167,27 +242,67 @@ class GraphedDecode:
         # a copy: the bucket's output buffer is overwritten by its next step
         return bucket(torch.tensor(rows, dtype=torch.int64))[: len(tokens)].clone()
 
+    def run_prompt(self, tokens: Sequence[int], table: Sequence[int]) -> torch.Tensor:
+        """Logits (1, vocab), float32, of the last token of a fresh prompt ``tokens`` (a new
+        sequence's first tokens, held by blocks ``table``, already reserved); ValueError when
+        :meth:`prompt_bucket_of` gives it no bucket."""
+        padded = self.prompt_bucket_of(len(tokens))
+        if padded is None:
+            raise ValueError(
+                f"a prompt of {len(tokens)} tokens has no graph (2 to {self.max_prompt_tokens})."
+            )
+        bucket = self.prompt_buckets.get(padded)
+        if bucket is None:
+            bucket = self.prompt_buckets[padded] = _PromptBucket(self, padded)
+        length, size = len(tokens), self.block_size
+        rows = torch.empty(padded, 4, dtype=torch.int64)
+        positions = torch.arange(length)
+        blocks = torch.tensor(list(table[: -(-length // size)]), dtype=torch.int64)
+        rows[:length, 0] = torch.tensor(list(tokens), dtype=torch.int64)
+        rows[:length, 1] = positions
+        rows[:length, 2] = blocks[positions // size] * size + positions % size
+        # padding: the last token again, at position 0, into the scratch block's slots
+        rows[length:, 0] = rows[length - 1, 0]
+        rows[length:, 1] = 0
+        rows[length:, 2] = self.scratch_block * size + torch.arange(padded - length) % size
+        rows[:, 3] = length - 1
+        return bucket(rows).clone()
+
     def capture_all(
-        self, max_sequences: int | None, max_context: int | None, scratch_block: int
+        self, max_sequences: int | None, max_context: int | None, max_prompt: int | None = None
     ) -> int:
-        """Capture (or, eagerly, run once) every bucket up to ``max_sequences`` sequences and
-        ``max_context`` tokens each (None: the engine's limits), so that no later decode step
-        waits for a capture; returns how many buckets were new. The captures write keys and
-        values into block ``scratch_block``, which no sequence may be using."""
+        """Capture (or, eagerly, run once) every decode bucket up to ``max_sequences`` sequences
+        and ``max_context`` tokens each, and every prompt bucket up to ``max_prompt`` tokens
+        (None: the limits given at construction), so that no later step waits for a capture;
+        returns how many buckets were new. The captures write keys and values into the scratch
+        block only."""
         top_seqs = _bucket(max_sequences or self.max_sequences, self.max_sequences)
         top_blocks = _bucket(
             -(-(max_context or self.max_context) // self.block_size), self.max_blocks
         )
+        scratch, size = self.scratch_block, self.block_size
         new = 0
         for seqs in _buckets_up_to(top_seqs):
             for blocks in _buckets_up_to(top_blocks):
                 if (seqs, blocks) in self.buckets:
                     continue
-                bucket = self.buckets[(seqs, blocks)] = _Bucket(self, seqs, blocks)
+                bucket = self.buckets[(seqs, blocks)] = _DecodeBucket(self, seqs, blocks)
                 # token 0 at position 0 of a table of only the scratch block
-                rows = torch.full((seqs, 3 + blocks), scratch_block, dtype=torch.int64)
+                rows = torch.full((seqs, 3 + blocks), scratch, dtype=torch.int64)
                 rows[:, :2] = 0
-                rows[:, 2] = scratch_block * self.block_size
+                rows[:, 2] = scratch * size
                 bucket(rows)
                 new += 1
+        top_prompt = self.prompt_bucket_of(min(max_prompt or 1 << 62, self.max_prompt_tokens))
+        for tokens in _buckets_up_to(top_prompt)[1:] if top_prompt else []:
+            if tokens in self.prompt_buckets:
+                continue
+            prompt = self.prompt_buckets[tokens] = _PromptBucket(self, tokens)
+            # tokens 0 at positions 0.., every one into the scratch block
+            rows = torch.zeros(tokens, 4, dtype=torch.int64)
+            rows[:, 1] = torch.arange(tokens)
+            rows[:, 2] = scratch * size + torch.arange(tokens) % size
+            rows[:, 3] = tokens - 1
+            prompt(rows)
+            new += 1
         return new

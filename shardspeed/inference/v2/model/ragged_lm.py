@@ -161,6 +161,13 @@ class RaggedCausalLM(nn.Module):
         """Where the model's weights live."""
         return next(self.hf_model.parameters()).device
 
+    @property
+    def smallest_window(self) -> int | None:
+        """The narrowest sliding window of any layer (None: every layer attends to the whole
+        context)."""
+        windows = [w for w in self._windows if w is not None]
+        return min(windows) if windows else None
+
     def _sliding_window(self, layer: Any) -> int | None:
         if self.layout == "gpt2":
             return None

@@ -28,7 +28,13 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-__all__ = ["RaggedBatchMetadata", "paged_attention", "private_workspace", "ragged_sdpa_backends"]
+__all__ = [
+    "RaggedBatchMetadata",
+    "host_to_device",
+    "paged_attention",
+    "private_workspace",
+    "ragged_sdpa_backends",
+]
 
 # SDPA's kernels for ragged batches on CUDA: cuDNN's is left out. It builds an execution plan
 # for every new input shape (about half a second each), and a ragged batch brings a new shape
@@ -277,9 +283,19 @@ class RaggedBatchMetadata:
 _INT_FIELDS = ("positions", "slots", "query_index", "token_seq", "token_offset", "block_tables")
 
 
+def host_to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``tensor`` (on the host) copied to ``device``. To CUDA through pinned memory and without
+    waiting: a copy from pageable memory synchronizes the stream, so the host would wait for
+    every queued kernel before it could prepare the next piece of work (PyTorch's pinned-memory
+    cache keeps the staging buffer until the copy is done)."""
+    if torch.device(device).type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
 def _one_copy(tensors: list[torch.Tensor], device: torch.device | str) -> list[torch.Tensor]:
     """``tensors`` (one dtype) on ``device`` through a single copy: views of one buffer."""
-    flat = torch.cat([t.reshape(-1) for t in tensors]).to(device)
+    flat = host_to_device(torch.cat([t.reshape(-1) for t in tensors]), device)
     pieces = flat.split([t.numel() for t in tensors])
     return [piece.view(t.shape) for piece, t in zip(pieces, tensors, strict=True)]
 

@@ -72,8 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--cuda-graph",
         action="store_true",
-        help="decode steps replayed from CUDA graphs, one per padded batch shape, each captured "
-        "the first time it is needed (enable_cuda_graph; CUDA and --tp 1 only)",
+        help="decode batches and fresh prompts replayed from CUDA graphs, one per padded shape, "
+        "each captured the first time it is needed (enable_cuda_graph; CUDA and --tp 1 only)",
     )
     p.add_argument(
         "--api-key",
