@@ -227,3 +227,37 @@ def test_abort_mid_generation_frees_blocks() -> None:
     # A waiting request aborts without ever reaching the engine.
     c = sched.add_request([1, 2], SamplingParams())
     assert sched.abort(c) and not sched.has_work and not engine.puts[-1:] == [[(c, 2)]]
+
+
+class _Watched(torch.Tensor):
+    """Logits that count how often they are copied to the host."""
+
+    host_copies = 0
+
+    def cpu(self, *args: object, **kwargs: object) -> torch.Tensor:  # type: ignore[override]
+        _Watched.host_copies += 1
+        return super().cpu(*args, **kwargs)  # type: ignore[arg-type]
+
+
+def test_greedy_steps_pick_on_the_logits_device_and_fetch_only_token_ids(monkeypatch) -> None:
+    """A step whose requests are all greedy, with nothing to adjust or report, takes its argmax
+    where the logits are (stop tokens suppressed there too) and brings back no logits row; a
+    step with a sampling, log-probability or penalised request brings the logits to the host.
+    The tokens are the same either way."""
+    engine = _scripted(3, 5)
+    put = engine.put
+    monkeypatch.setattr(engine, "put", lambda *a, **k: put(*a, **k).as_subclass(_Watched))
+    monkeypatch.setattr(_Watched, "host_copies", 0)
+    sched = RaggedScheduler(engine, eos_token_ids=[3])
+    held = sched.add_request([1, 2], SamplingParams(max_new_tokens=4, min_new_tokens=2))
+    free = sched.add_request([4, 2], SamplingParams(max_new_tokens=4))
+    assert sched.run_to_completion() == {held: [5, 5, 3], free: [3]}
+    assert _Watched.host_copies == 0
+    for reads in ({"do_sample": True, "top_k": 1, "seed": 0}, {"logprobs": 1},
+                  {"repetition_penalty": 1.5}):  # fmt: skip
+        held = sched.add_request([1, 2], SamplingParams(max_new_tokens=4, min_new_tokens=2))
+        other = sched.add_request([6, 2], SamplingParams(max_new_tokens=2, **reads))
+        copies = _Watched.host_copies
+        out = sched.run_to_completion()
+        assert out[held] == [5, 5, 3] and len(out[other]) >= 1
+        assert _Watched.host_copies > copies, reads

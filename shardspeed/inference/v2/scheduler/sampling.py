@@ -79,6 +79,12 @@ class SamplingParams(BaseModel):
             or self.presence_penalty != 0.0
         )
 
+    @property
+    def reads_logits(self) -> bool:
+        """Whether choosing this request's token needs its whole row of logits on the host
+        (sampling, log-probabilities, a bias or penalties), not just the row's argmax."""
+        return self.do_sample or self.logprobs is not None or self.adjusts_logits
+
     @model_validator(mode="after")
     def _check_bias(self) -> SamplingParams:
         """Token ids of ``logit_bias`` are ids (>= 0), their biases finite."""

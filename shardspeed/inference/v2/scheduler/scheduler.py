@@ -259,11 +259,8 @@ class RaggedScheduler:
                     record_prompt_logprobs(request, chunk, every[chunk.uid])
         else:
             logits = self.engine.put(uids, tokens)
-        # Sampling runs on the CPU with CPU generators: the same draws whatever the device.
-        logits = logits.detach().float().cpu()
         self.num_steps += 1
         self.last_step = chunks
-        with_logprobs = step_logprobs(logits, requests, chunks)
         # stop tokens before min_new_tokens made -inf, then every greedy pick of the step in
         # one argmax (sampled requests draw from their own row)
         stops: list[frozenset[int]] = []
@@ -275,20 +272,18 @@ class RaggedScheduler:
             if ends and len(request.generated) < request.params.min_new_tokens:
                 banned_rows += [i] * len(ends)
                 banned_tokens += ends
-        if banned_rows:
-            logits = suppress_tokens(logits, banned_rows, banned_tokens)
-        logits = _adjusted(logits, requests, chunks)
-        greedy = logits.argmax(dim=-1).tolist()
+        host, with_logprobs, greedy = _picks(logits, requests, chunks, banned_rows, banned_tokens)
         now = time.monotonic()
         events = []
         for i, (request, chunk) in enumerate(zip(requests, chunks, strict=True)):
             request.computed += chunk.length
             if chunk.samples:
-                event = self._sample(request, logits[i], greedy[i], stops[i], now)
+                row = None if host is None else host[i]
+                event = self._sample(request, row, greedy[i], stops[i], now)
                 if i in with_logprobs:
-                    row, top = with_logprobs[i]
+                    scores, top = with_logprobs[i]
                     event = dataclasses.replace(
-                        event, logprob=float(row[event.token]), top_logprobs=top
+                        event, logprob=float(scores[event.token]), top_logprobs=top
                     )
                 if request.params.prompt_logprobs is not None and len(request.generated) == 1:
                     event = dataclasses.replace(
@@ -315,16 +310,20 @@ class RaggedScheduler:
     def _sample(
         self,
         request: Request,
-        logits: torch.Tensor,
+        logits: torch.Tensor | None,
         greedy: int,
         stops: frozenset[int],
         now: float,
     ) -> TokenEvent:
         """Draw ``request``'s next token from ``logits`` (its stop tokens already -inf before
-        ``min_new_tokens``; ``greedy``: their argmax); finish it (flush) on a stop token or its
-        length. ``now``: the step's time stamp."""
+        ``min_new_tokens``; ``greedy``: their argmax; None when the request reads no logits);
+        finish it (flush) on a stop token or its length. ``now``: the step's time stamp."""
         params = request.params
-        token = sample(logits, params, request.generator) if params.do_sample else greedy
+        if params.do_sample:
+            assert logits is not None, "a sampling request's row comes to the host"
+            token = sample(logits, params, request.generator)
+        else:
+            token = greedy
         request.generated.append(token)
         reason: FinishReason | None = None
         if token in stops:
@@ -442,6 +441,32 @@ class RaggedScheduler:
         request.preemptions += 1
         self.num_preemptions += 1
         self._waiting.appendleft(request)
+
+
+def _picks(
+    logits: torch.Tensor,
+    requests: list[Request],
+    chunks: list[ScheduledChunk],
+    banned_rows: list[int],
+    banned_tokens: list[int],
+) -> tuple[torch.Tensor | None, dict[int, tuple[torch.Tensor, Any]], list[int]]:
+    """From a step's ``logits`` (on the engine's device), with token ``banned_tokens[i]`` of
+    row ``banned_rows[i]`` made -inf: the logits on the host (None when no request needs its
+    row there), the log-probabilities asked for, and every row's greedy pick."""
+    if not any(c.samples and r.params.reads_logits for r, c in zip(requests, chunks, strict=True)):
+        # every pick is greedy, nothing adjusted or reported: the argmax where the logits are,
+        # and only the token ids come back (not a vocabulary-wide row per sequence)
+        picked = logits.detach()
+        if banned_rows:
+            picked = suppress_tokens(picked, banned_rows, banned_tokens)
+        return None, {}, picked.argmax(dim=-1).tolist()
+    # Sampling runs on the CPU with CPU generators: the same draws whatever the device.
+    host = logits.detach().float().cpu()
+    with_logprobs = step_logprobs(host, requests, chunks)
+    if banned_rows:
+        host = suppress_tokens(host, banned_rows, banned_tokens)
+    host = _adjusted(host, requests, chunks)
+    return host, with_logprobs, host.argmax(dim=-1).tolist()
 
 
 def _adjusted(
