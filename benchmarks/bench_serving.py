@@ -22,7 +22,8 @@ from one thread, as a server's engine loop would:
 Figures per mode: output tokens/s over the makespan (first arrival to last token), time to
 first token (TTFT, from arrival) and inter-token latency (ITL, gap between a request's
 consecutive tokens) at p50/p99, end-to-end request latency p50/p99; plus how many requests got
-exactly the greedy tokens of ``hf_static``. ``--rounds`` serves the workload that many times with
+exactly the greedy tokens of ``hf_static``, and for v2 its steps, the forwards it ran eagerly
+and its graph replays (with ``--cuda-graph``). ``--rounds`` serves the workload that many times with
 the modes interleaved (each round builds every mode afresh and warms it up on prompts outside
 the workload, so no prefix cache or warm state carries over): a mode's figures are those of its
 median round by throughput, ``throughput_rounds`` lists every round's, and ``vs_hf_rounds`` each
@@ -244,6 +245,18 @@ def _v2_mode(base: Any, args: argparse.Namespace) -> tuple[Any, Callable[[int], 
     return scheduler, params
 
 
+def _v2_counts(scheduler: Any) -> dict[str, int]:
+    """v2's steps so far, the forwards run eagerly (with graphs: the step parts no graph
+    covered) and the graph replays."""
+    engine = scheduler.engine
+    graphs = engine.decode_graphs
+    return {
+        "steps": scheduler.num_steps,
+        "eager_forwards": engine.eager_forwards,
+        "graph_replays": 0 if graphs is None else graphs.replays,
+    }
+
+
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     """The workload, model and v2 engine flags (shared with bench_server_http.py)."""
     parser.add_argument("--requests", type=int, default=48)
@@ -302,10 +315,13 @@ def main() -> None:
         served: dict[str, list[Request]] = {}
         for mode in modes:
             requests = _fresh(workload)
+            counts: dict[str, int] = {}
             if mode == "shardspeed_v2":
                 scheduler, params = _v2_mode(base, args)
                 _serve_v2(scheduler, params, _fresh(warm))
+                before = _v2_counts(scheduler)
                 _serve_v2(scheduler, params, requests)
+                counts = {k: v - before[k] for k, v in _v2_counts(scheduler).items()}
             elif mode == "hf_static":
                 _serve_static(base.generate, _fresh(warm), args.batch, device)
                 _serve_static(base.generate, requests, args.batch, device)
@@ -321,7 +337,7 @@ def main() -> None:
             else:
                 raise SystemExit(f"unknown mode {mode!r}")
             served[mode] = requests
-            rounds[mode].append(_figures(requests))
+            rounds[mode].append(_figures(requests) | counts)
         if "hf_static" in served:
             reference = served["hf_static"]
             hf = rounds["hf_static"][-1]["throughput_tok_s"]

@@ -21,3 +21,6 @@ def test_tiny_run_serves_hf_greedy_tokens_in_every_round() -> None:
         assert len(figures["vs_hf_rounds"]) == 2, mode
         assert figures["ttft_ms_p50"] <= figures["ttft_ms_p99"], mode
     assert results["hf_static"]["vs_hf_rounds"] == [1.0, 1.0]
+    # v2 without graphs: every step one eager forward; 6 requests need at least a step each
+    v2 = results["shardspeed_v2"]
+    assert v2["eager_forwards"] == v2["steps"] >= 6 and v2["graph_replays"] == 0

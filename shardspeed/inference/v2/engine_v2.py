@@ -96,6 +96,9 @@ class InferenceEngineV2:
         """Tokens run through the model so far (prefix-cache hits excluded)."""
         self.prefix_hit_tokens = 0
         """Tokens taken from the prefix cache instead of computed, so far."""
+        self.eager_forwards = 0
+        """Forwards run by the plain ragged path so far (with ``enable_cuda_graph``: the parts
+        of steps that no graph covered)."""
 
     def _num_blocks(self, dtype: torch.dtype) -> int:
         sm = self._config.state_manager
@@ -349,6 +352,7 @@ class InferenceEngineV2:
     ) -> torch.Tensor:
         """The plain ragged forward of ``runs`` (the new tokens of ``seqs``, reserved): the
         logits of each sequence's last token, or with ``rows`` (host) of those flat rows."""
+        self.eager_forwards += 1
         device = self._model.device
         meta = RaggedBatchMetadata.build(
             [s.seen_tokens for s in seqs],

@@ -105,6 +105,9 @@ def test_mixed_steps_split_into_graphs_equal_plain_forward_and_hf(family: str) -
     expected = {2, 8, 16, 32} if window is None else {2, 8}
     assert set(static.prompt_buckets) == expected
     assert split.computed_tokens == plain.computed_tokens
+    # the plain forward ran in steps 2 (the prefix hit) and 4 (a chunk, a long prompt) alone;
+    # with the window also in 1 and 3 (prompts of 12 and 20 tokens)
+    assert (plain.eager_forwards, split.eager_forwards) == (len(steps), 4 if window else 2)
 
 
 def test_prompt_padding_writes_only_the_scratch_block() -> None:
