@@ -68,9 +68,11 @@ class InferenceEngineV2:
             )
             self._max_context = limit
         cache_dtype = config.kv_cache_dtype or self._model.dtype
+        # with graphs, one block more than the sequences get: prompt padding writes there
+        self._reserved_blocks = int(config.enable_cuda_graph)
         self._cache = BlockedKVCache(
             self._model.num_layers,
-            self._num_blocks(cache_dtype),
+            self._num_blocks(cache_dtype) + self._reserved_blocks,
             self._block_size,
             self._model.kv_heads,
             self._model.head_dim,
@@ -85,7 +87,7 @@ class InferenceEngineV2:
             reason = graph_refusal(self._model, config.tensor_parallel.tp_size)
             if reason is not None:
                 raise ValueError(f"enable_cuda_graph: {reason}; set enable_cuda_graph=False.")
-            # one block held for good: padding tokens of prompts write their keys/values there
+            # the extra block, held for good: padding tokens of prompts write there
             scratch = int(self._cache.allocator.allocate(1)[0])
             self.decode_graphs = GraphedDecode(
                 self._model, self._cache, self._block_size, sm.max_ragged_sequence_count,
@@ -160,8 +162,9 @@ class InferenceEngineV2:
 
     @property
     def total_blocks(self) -> int:
-        """How many KV blocks the cache has."""
-        return self._cache.num_blocks
+        """How many KV blocks the cache has for sequences (with ``enable_cuda_graph`` the
+        cache holds one more, where prompt padding writes)."""
+        return self._cache.num_blocks - self._reserved_blocks
 
     @property
     def kv_block_size(self) -> int:

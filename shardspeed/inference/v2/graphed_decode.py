@@ -273,17 +273,20 @@ class GraphedDecode:
     ) -> int:
         """Capture (or, eagerly, run once) every decode bucket up to ``max_sequences`` sequences
         and ``max_context`` tokens each, and every prompt bucket up to ``max_prompt`` tokens
-        (None: the limits given at construction), so that no later step waits for a capture;
+        (None: the limits given at construction; 0: none of that kind), so that no later step
+        waits for a capture;
         returns how many buckets were new. The captures write keys and values into the scratch
         block only."""
-        top_seqs = _bucket(max_sequences or self.max_sequences, self.max_sequences)
-        top_blocks = _bucket(
-            -(-(max_context or self.max_context) // self.block_size), self.max_blocks
-        )
         scratch, size = self.scratch_block, self.block_size
+        wanted = self.max_sequences if max_sequences is None else max_sequences
+        context = self.max_context if max_context is None else max_context
+        # 0 (or less) asks for none of that kind
+        seq_sizes = _buckets_up_to(_bucket(wanted, self.max_sequences)) if wanted > 0 else []
+        blocks_wanted = -(-context // size)
+        block_sizes = _buckets_up_to(_bucket(blocks_wanted, self.max_blocks)) if context > 0 else []
         new = 0
-        for seqs in _buckets_up_to(top_seqs):
-            for blocks in _buckets_up_to(top_blocks):
+        for seqs in seq_sizes:
+            for blocks in block_sizes:
                 if (seqs, blocks) in self.buckets:
                     continue
                 bucket = self.buckets[(seqs, blocks)] = _DecodeBucket(self, seqs, blocks)
@@ -293,7 +296,8 @@ class GraphedDecode:
                 rows[:, 2] = scratch * size
                 bucket(rows)
                 new += 1
-        top_prompt = self.prompt_bucket_of(min(max_prompt or 1 << 62, self.max_prompt_tokens))
+        longest = self.max_prompt_tokens if max_prompt is None else max_prompt
+        top_prompt = self.prompt_bucket_of(min(longest, self.max_prompt_tokens))
         for tokens in _buckets_up_to(top_prompt)[1:] if top_prompt else []:
             if tokens in self.prompt_buckets:
                 continue

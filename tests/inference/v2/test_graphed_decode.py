@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from shardspeed.inference.v2 import build_hf_engine, graphed_decode
+from shardspeed.inference.v2 import build_hf_engine, engine_v2, graphed_decode
 from shardspeed.inference.v2.graphed_decode import GraphedDecode, graph_refusal
 from shardspeed.inference.v2.scheduler import RaggedScheduler, SamplingParams
 from tests.inference import recording_accelerator
@@ -125,7 +125,7 @@ def test_prompt_padding_writes_only_the_scratch_block() -> None:
         for ours, theirs in ((graphed._cache.keys, plain._cache.keys),
                              (graphed._cache.values, plain._cache.values)):  # fmt: skip
             others = [b for b in range(graphed.total_blocks) if b != scratch]
-            hm.assert_close(ours[layer][:, others], theirs[layer][:, others], atol=1e-6, rtol=0)
+            hm.assert_close(ours[layer][:, others], theirs[layer][:, others], atol=1e-5, rtol=0)
             assert ours[layer][:, scratch, :3].abs().sum() > 0  # the padding landed there
 
 
@@ -189,6 +189,45 @@ def test_one_capture_per_bucket_and_a_replay_per_decode_batch_or_prompt(monkeypa
     assert set(recorder.pools) == {None}
 
 
+def test_capture_limits_of_zero_capture_none_of_that_kind(monkeypatch) -> None:
+    recorder = recording_accelerator.install(monkeypatch, graphed_decode)
+    engine = make_engine(hm.build("llama"), blocks=96)
+    graphs = _static(engine, graph=True)
+    assert engine.capture_decode_graphs(4, 16, max_prompt_tokens=0) == 9  # decode shapes only
+    assert not graphs.prompt_buckets
+    assert engine.capture_decode_graphs(0, 0, max_prompt_tokens=8) == 3  # prompts 2, 4, 8
+    assert engine.capture_decode_graphs(0, 0, 0) == 0
+    assert recorder.captured == 12
+
+
+def test_the_scratch_block_is_beside_the_sequences_blocks(monkeypatch) -> None:
+    """With graphs the engine holds one block more than the cache's size for prompt padding,
+    so a request that needs every configured block still runs (with the scratch block taken
+    from them, the scheduler preempted it forever), and the counts exclude it."""
+    monkeypatch.setattr(engine_v2, "graph_refusal", lambda model, tp: None)  # CUDA stand-in
+    recording_accelerator.install(monkeypatch, graphed_decode)
+    config = {
+        "enable_cuda_graph": True,
+        "state_manager": {
+            "kv_block_size": 4,
+            "max_context": 32,
+            "memory_config": {"mode": "allocate", "size": 8},
+        },
+    }
+    engine = build_hf_engine(hm.build("llama"), config)
+    assert (engine.total_blocks, engine.free_blocks) == (8, 8)
+    graphs = engine.decode_graphs
+    assert graphs is not None
+    scheduler = RaggedScheduler(engine)
+    uid = scheduler.add_request(hm.tokens(30, 1).tolist(), SamplingParams(max_new_tokens=3))
+    for _ in range(10):  # a prompt step and two decode steps
+        if not scheduler.has_work:
+            break
+        scheduler.step()
+    assert not scheduler.has_work and scheduler.num_preemptions == 0, uid
+    assert engine.free_blocks == 8
+
+
 def test_refused_off_cuda_and_for_data_dependent_models() -> None:
     config = {
         "enable_cuda_graph": True,
@@ -223,6 +262,8 @@ def test_cuda_graph_logits_equal_without_graph(family: str) -> None:
         },
     )
     assert graphed.capture_decode_graphs(max_sequences=4, max_context=64) > 0
+    assert graphed.decode_graphs is not None
+    captured = graphed.decode_graphs.replays  # each capture replays once
     seqs = [hm.tokens(3, 1), hm.tokens(20, 2), hm.tokens(9, 3)]
     for engine in (plain, graphed):  # three fresh prompts: three prompt graphs
         engine.put([1, 2, 3], seqs)
@@ -233,4 +274,5 @@ def test_cuda_graph_logits_equal_without_graph(family: str) -> None:
             uids, nxt = [1, 2, 3, 4], [*nxt, hm.tokens(13, 99)]
         want = plain.put(uids, nxt)
         hm.assert_close(graphed.put(uids, nxt), want, atol=1e-4, rtol=0)
-    assert graphed.decode_graphs is not None and graphed.decode_graphs.replays == 3 + 6 + 1
+    # three prompts, six decode steps and the new prompt beside one of them
+    assert graphed.decode_graphs.replays == captured + 3 + 6 + 1

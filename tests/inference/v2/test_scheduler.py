@@ -170,6 +170,22 @@ def test_a_bias_outside_the_vocabulary_is_refused_at_submission() -> None:
     assert not sched.has_work
 
 
+def test_stop_and_eos_ids_outside_the_vocabulary_are_refused() -> None:
+    """A stop id past the vocabulary would index out of the logits when suppressed before
+    min_new_tokens (on a GPU a device-side assert that ends the process's use of the device):
+    refused at submission, an end-of-sequence id at construction, a negative one in the
+    params."""
+    sched = RaggedScheduler(_engine())
+    vocab = sched.engine.vocab_size
+    with pytest.raises(ValueError, match=f"stop_token_ids names token id {vocab}"):
+        sched.add_request([1, 2], SamplingParams(stop_token_ids=[3, vocab], min_new_tokens=1))
+    assert not sched.has_work
+    with pytest.raises(ValueError, match=rf"eos_token_ids \[2, {vocab}\] must be token ids"):
+        RaggedScheduler(sched.engine, eos_token_ids=[2, vocab])
+    with pytest.raises(ValueError, match=r"stop_token_ids: \[-1\] are negative"):
+        SamplingParams(stop_token_ids=[-1])
+
+
 def test_splitfuse_splits_a_prompt_over_steps_with_decodes_riding_along() -> None:
     engine = _engine()
     sched = RaggedScheduler(engine, token_budget=32)

@@ -97,6 +97,14 @@ class SamplingParams(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _check_stops(self) -> SamplingParams:
+        """Stop token ids are ids (>= 0)."""
+        bad = [t for t in self.stop_token_ids if t < 0]
+        if bad:
+            raise ValueError(f"stop_token_ids: {bad[:4]} are negative; give token ids >= 0.")
+        return self
+
+    @model_validator(mode="after")
     def _check_lengths(self) -> SamplingParams:
         """``min_new_tokens`` must not exceed ``max_new_tokens``."""
         if self.min_new_tokens > self.max_new_tokens:

@@ -123,6 +123,12 @@ class RaggedScheduler:
             eos = frozenset([eos_token_ids])
         else:
             eos = frozenset(int(t) for t in eos_token_ids)
+        vocab = getattr(engine, "vocab_size", None)
+        if isinstance(vocab, int) and any(not 0 <= t < vocab for t in eos):
+            raise ValueError(
+                f"eos_token_ids {sorted(eos)} must be token ids of the model's vocabulary "
+                f"(0..{vocab - 1})."
+            )
         self.engine = engine
         self.token_budget = token_budget
         self.max_sequences = max_sequences
@@ -185,6 +191,13 @@ class RaggedScheduler:
             raise ValueError(
                 f"logit_bias names token id {max(params.logit_bias)}; the model's vocabulary "
                 f"has {vocab} tokens (ids 0..{vocab - 1})."
+            )
+        # a stop id past the vocabulary would index out of the logits (on a GPU, a device-side
+        # assert that ends the process's use of the device)
+        if isinstance(vocab, int) and params.stop_token_ids and max(params.stop_token_ids) >= vocab:
+            raise ValueError(
+                f"stop_token_ids names token id {max(params.stop_token_ids)}; the model's "
+                f"vocabulary has {vocab} tokens (ids 0..{vocab - 1})."
             )
         block = self.engine.kv_block_size
         blocks = -(-cached // block)
