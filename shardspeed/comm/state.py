@@ -271,9 +271,14 @@ atexit.register(_release_at_exit)
 
 
 def destroy_process_group(group: Any = None) -> None:
-    """Destroy ``group``, or every group when None (after which ranks come from the env again)."""
+    """Destroy ``group`` (and the host group :func:`host_group` made for it), or every group
+    when None (after which ranks come from the env again)."""
     if group is None:
         forget_cached_groups()
+    else:
+        entry = _HOST_GROUPS.pop(id(group), None)
+        if entry is not None and entry[0] is group and entry[1] not in (None, group):
+            dist.destroy_process_group(entry[1])
     dist.destroy_process_group(group)
     if group is None:
         set_rank_provider(None)

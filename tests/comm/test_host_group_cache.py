@@ -36,3 +36,24 @@ def test_one_host_group_per_device_group(monkeypatch: pytest.MonkeyPatch) -> Non
     third = _Group()
     state._HOST_GROUPS[id(third)] = (object(), ("gloo", "stale"))
     assert state.host_group(third) == ("gloo", 3)
+
+
+def test_destroying_a_group_destroys_its_host_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device group destroyed alone takes its host twin with it (the cache no longer holds
+    either); another group's entry stays, and a group never given a host group is destroyed
+    alone."""
+    destroyed: list[Any] = []
+    monkeypatch.setattr(state, "_require_initialized", lambda what: None)
+    monkeypatch.setattr(state.dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(state, "get_all_ranks_from_group", lambda group: [0, 1])
+    monkeypatch.setattr(state, "new_host_group", lambda ranks: ("gloo", object()))
+    monkeypatch.setattr(state.dist, "destroy_process_group", destroyed.append)
+    monkeypatch.setattr(state, "_HOST_GROUPS", {})
+    first, second = _Group(), _Group()
+    host_first, host_second = state.host_group(first), state.host_group(second)
+    state.destroy_process_group(first)
+    assert destroyed == [host_first, first]
+    assert id(first) not in state._HOST_GROUPS and state.host_group(second) is host_second
+    plain = _Group()  # never asked for a host group
+    state.destroy_process_group(plain)
+    assert destroyed[-1] is plain and len(destroyed) == 3
