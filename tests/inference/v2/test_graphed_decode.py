@@ -20,6 +20,9 @@ from tests.inference.v2 import hf_models as hm
 from tests.inference.v2.test_engine_v2 import ATOL, make_engine
 
 BLOCK = 4
+# padded and unpadded batches of one engine: on CPU within 2e-6 of each other; cuBLAS may pick
+# another kernel per shape, so on CUDA the engine-vs-HF tolerance
+SHAPES_ATOL = ATOL if torch.cuda.is_available() else 1e-5
 
 
 def _static(engine: Any, graph: bool = False, prompts: int = 256) -> GraphedDecode:
@@ -54,7 +57,7 @@ def test_bucketed_decode_equals_plain_forward_and_hf(family: str) -> None:
         nxt = {uid: hm.tokens(1, 100 * step + uid) for uid in seqs}
         want = plain.put(list(nxt), list(nxt.values()))
         got = bucketed.put(list(nxt), list(nxt.values()))
-        hm.assert_close(got, want, atol=1e-5, rtol=0)
+        hm.assert_close(got, want, atol=SHAPES_ATOL, rtol=0)
         for row, uid in enumerate(nxt):
             seqs[uid] = torch.cat([seqs[uid], nxt[uid]])
             hm.assert_close(got[row], hm.last_logits(model, seqs[uid]), atol=ATOL, rtol=0)
@@ -92,7 +95,7 @@ def test_mixed_steps_split_into_graphs_equal_plain_forward_and_hf(family: str) -
     for step in steps:
         want = plain.put(list(step), list(step.values()))
         got = split.put(list(step), list(step.values()))
-        hm.assert_close(got, want, atol=1e-5, rtol=0)
+        hm.assert_close(got, want, atol=SHAPES_ATOL, rtol=0)
         for row, (uid, run) in enumerate(step.items()):
             seqs[uid] = torch.cat([seqs.get(uid, run[:0]), run])
             hm.assert_close(got[row], hm.last_logits(model, seqs[uid]), atol=ATOL, rtol=0)
@@ -125,7 +128,9 @@ def test_prompt_padding_writes_only_the_scratch_block() -> None:
         for ours, theirs in ((graphed._cache.keys, plain._cache.keys),
                              (graphed._cache.values, plain._cache.values)):  # fmt: skip
             others = [b for b in range(graphed.total_blocks) if b != scratch]
-            hm.assert_close(ours[layer][:, others], theirs[layer][:, others], atol=1e-5, rtol=0)
+            hm.assert_close(
+                ours[layer][:, others], theirs[layer][:, others], atol=SHAPES_ATOL, rtol=0
+            )
             assert ours[layer][:, scratch, :3].abs().sum() > 0  # the padding landed there
 
 
