@@ -95,6 +95,13 @@ class _Bucket:
         return self.logits
 
     def _step(self) -> torch.Tensor:
+        owner, packed = self.owner, self.packed
+        # every bucket's rows start with the token, its position and its cache slot
+        meta = self._meta(packed[:, 1].contiguous(), packed[:, 2].contiguous())
+        return owner.model(packed[:, 0].contiguous(), meta, owner.cache)
+
+    def _meta(self, positions: torch.Tensor, slots: torch.Tensor) -> RaggedBatchMetadata:
+        """The batch metadata over ``packed`` (a view of it: replays see new values)."""
         raise NotImplementedError
 
     def _capture(self) -> None:
@@ -123,24 +130,21 @@ class _DecodeBucket(_Bucket):
         self.rows = torch.arange(seqs, device=device)
         self.offsets = torch.zeros(seqs, dtype=torch.int64, device=device)
 
-    def _step(self) -> torch.Tensor:
-        owner, packed = self.owner, self.packed
-        positions = packed[:, 1].contiguous()
-        meta = RaggedBatchMetadata(
+    def _meta(self, positions: torch.Tensor, slots: torch.Tensor) -> RaggedBatchMetadata:
+        return RaggedBatchMetadata(
             positions=positions,
-            slots=packed[:, 2].contiguous(),
+            slots=slots,
             query_index=self.rows[:, None],
             token_seq=self.rows,
             token_offset=self.offsets,
-            block_tables=packed[:, 3:].contiguous(),
+            block_tables=self.packed[:, 3:].contiguous(),
             mask=(self.keys[None, :] <= positions[:, None])[:, None, None, :],
-            block_size=owner.block_size,
+            block_size=self.owner.block_size,
             decode=True,
             new_counts=(1,) * self.seqs,
             # the rotary table is sized once for the whole context: no regrowth in a replay
-            max_position=owner.max_context - 1,
+            max_position=self.owner.max_context - 1,
         )
-        return owner.model(packed[:, 0].contiguous(), meta, owner.cache)
 
 
 class _PromptBucket(_Bucket):
@@ -157,23 +161,21 @@ class _PromptBucket(_Bucket):
         self.table = torch.zeros(1, 1, dtype=torch.int64, device=device)
         self.mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
 
-    def _step(self) -> torch.Tensor:
-        owner, packed = self.owner, self.packed
-        meta = RaggedBatchMetadata(
-            positions=packed[:, 1].contiguous(),
-            slots=packed[:, 2].contiguous(),
+    def _meta(self, positions: torch.Tensor, slots: torch.Tensor) -> RaggedBatchMetadata:
+        return RaggedBatchMetadata(
+            positions=positions,
+            slots=slots,
             query_index=self.index[None, :],
             token_seq=self.zeros,
             token_offset=self.index,
             block_tables=self.table,
             mask=self.mask,
-            block_size=owner.block_size,
+            block_size=self.owner.block_size,
             fresh=True,
             new_counts=(self.tokens,),
-            max_position=owner.max_context - 1,
-            last_rows=packed[:1, 3],
+            max_position=self.owner.max_context - 1,
+            last_rows=self.packed[:1, 3],
         )
-        return owner.model(packed[:, 0].contiguous(), meta, owner.cache)
 
 
 class GraphedDecode:

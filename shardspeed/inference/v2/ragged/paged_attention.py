@@ -311,20 +311,10 @@ def _moved(meta: RaggedBatchMetadata, device: torch.device | str) -> RaggedBatch
     masks = iter(_one_copy([m.mask for m in metas], device))
     fields = [[next(moved) for _ in _INT_FIELDS] for _ in metas]
     last_rows = [None if m.last_rows is None else next(moved) for m in metas]
-    rebuilt = [
-        dataclasses.replace(
-            m,
-            positions=f[0],
-            slots=f[1],
-            query_index=f[2],
-            token_seq=f[3],
-            token_offset=f[4],
-            block_tables=f[5],
-            mask=next(masks),
-            last_rows=rows,
-        )
-        for m, f, rows in zip(metas, fields, last_rows, strict=True)
-    ]
+    rebuilt = []
+    for m, f, rows in zip(metas, fields, last_rows, strict=True):
+        tensors: dict[str, Any] = dict(zip(_INT_FIELDS, f, strict=True))
+        rebuilt.append(dataclasses.replace(m, **tensors, mask=next(masks), last_rows=rows))
     parts = tuple((next(moved), part) for part in rebuilt[1:])
     return dataclasses.replace(rebuilt[0], parts=parts)
 

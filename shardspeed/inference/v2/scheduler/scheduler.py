@@ -187,18 +187,15 @@ class RaggedScheduler:
                 f"{self.engine.max_context}; shorten the prompt or lower max_new_tokens."
             )
         vocab = getattr(self.engine, "vocab_size", None)
-        if isinstance(vocab, int) and params.logit_bias and max(params.logit_bias) >= vocab:
-            raise ValueError(
-                f"logit_bias names token id {max(params.logit_bias)}; the model's vocabulary "
-                f"has {vocab} tokens (ids 0..{vocab - 1})."
-            )
-        # a stop id past the vocabulary would index out of the logits (on a GPU, a device-side
-        # assert that ends the process's use of the device)
-        if isinstance(vocab, int) and params.stop_token_ids and max(params.stop_token_ids) >= vocab:
-            raise ValueError(
-                f"stop_token_ids names token id {max(params.stop_token_ids)}; the model's "
-                f"vocabulary has {vocab} tokens (ids 0..{vocab - 1})."
-            )
+        # an id past the vocabulary would index out of the logits (a stop id suppressed on a
+        # GPU: a device-side assert that ends the process's use of the device)
+        named = (("logit_bias", list(params.logit_bias)), ("stop_token_ids", params.stop_token_ids))
+        for name, ids in named:
+            if isinstance(vocab, int) and ids and max(ids) >= vocab:
+                raise ValueError(
+                    f"{name} names token id {max(ids)}; the model's vocabulary has {vocab} "
+                    f"tokens (ids 0..{vocab - 1})."
+                )
         block = self.engine.kv_block_size
         blocks = -(-cached // block)
         if blocks > self.engine.total_blocks:
