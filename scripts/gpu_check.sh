@@ -12,7 +12,8 @@
 # GPU_CHECK_ONLY=serving runs, after the install and import parts, only inference v2's check
 # instead (issue 29): its engine, attention, scheduler and CUDA-graph tests on the GPU, then
 # benchmarks/bench_serving.py (v2 vs HF static batches vs v1 fused) with and without v2's CUDA
-# graphs in bf16 and fp32, one decoding step timed alone, and bursts of 128 requests; figures in
+# graphs in bf16 and fp32, one decoding step timed alone, bursts of 128 requests and bf16's
+# greedy tokens against fp32's; figures in
 # bench_serving.jsonl, one line a run (GPU_CHECK_SERVING_RUNS names a subset, see below). The
 # whole list takes longer than a device call may: run it with GPU_CHECK_DEADLINE=500 (the first
 # H200 run of the first six parts took 452 s, most of it the bf16 cuDNN bug fixed since).
@@ -88,7 +89,9 @@ if [ "${GPU_CHECK_ONLY:-}" = serving ]; then
   # from CUDA graphs): the CPU table's workload (100 requests/s) in both dtypes; a saturating
   # one (all 128 requests at once) at the default token budget and at a short step's budget;
   # the first at that budget; one decoding step timed alone (bench_v2_step.py: v2 against HF
-  # and v1 at 8 and 64 sequences). Run with GPU_CHECK_DEADLINE, the later ones may not fit.
+  # and v1 at 8 and 64 sequences); tokens_bfloat16: how often HF alone, HF's static batches
+  # and v2 keep float32's greedy tokens in bf16 (bench_v2_tokens.py). Run with
+  # GPU_CHECK_DEADLINE, the later ones may not fit.
   serving_run() {
     case $1 in
       fp32) serving bench_serving_fp32 --dtype float32 --rate 100 --requests 64 ;;
@@ -109,6 +112,10 @@ if [ "${GPU_CHECK_ONLY:-}" = serving ]; then
       bf16_b128)
         serving bench_serving_bf16_b128 --dtype bfloat16 --rate 100 --requests 64 \
           --token-budget 128 ;;
+      tokens_*)  # how often each path keeps float32's greedy tokens (bench_v2_tokens.py)
+        part "bench_v2_$1" 120 "$PY" benchmarks/bench_v2_tokens.py --device "${GPU_CHECK_DEVICE:-cuda}" \
+          --dtype "${1#tokens_}" --hidden 1024 --heads 16 --kv-heads 8 ${GPU_CHECK_BENCH_ARGS:-}
+        tail -n 1 "$OUT/bench_v2_$1.log" >>"$OUT/bench_serving.jsonl" ;;
       step_*_graph)
         dtype=${1#step_}
         part "bench_v2_$1" 90 "$PY" benchmarks/bench_v2_step.py --cuda-graph \
@@ -124,7 +131,7 @@ if [ "${GPU_CHECK_ONLY:-}" = serving ]; then
   # graphs first: the fp32 run repeats the first H200 run's table with them (eager fp32 was
   # measured there), then bf16 with and without them
   runs="fp32_graph bf16_graph bf16 step_bfloat16_graph step_bfloat16 bf16_burst_graph fp32"
-  runs="$runs bf16_burst bf16_burst_b128 bf16_b128"
+  runs="$runs bf16_burst bf16_burst_b128 bf16_b128 tokens_bfloat16"
   for run in ${GPU_CHECK_SERVING_RUNS:-$runs}; do
     serving_run "$run"
   done
