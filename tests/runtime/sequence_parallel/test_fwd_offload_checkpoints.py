@@ -30,7 +30,7 @@ def tiny_llama() -> torch.nn.Module:
         max_position_embeddings=32,
     )
     model = LlamaForCausalLM(config)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return model.train()
 
 

@@ -114,7 +114,7 @@ def train_and_compare(
     model = tiny_model(kind)
     reference = copy.deepcopy(model)
     if checkpointing:
-        model.gradient_checkpointing_enable()
+        model.activation_checkpointing_enable()
     ref_opt = torch.optim.AdamW(reference.parameters(), **OPT)
     config = _config(tp, stage, gas, clip)
     for key, value in (extra or {}).items():
