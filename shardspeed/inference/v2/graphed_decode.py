@@ -287,28 +287,17 @@ class GraphedDecode:
         blocks_wanted = -(-context // size)
         block_sizes = _buckets_up_to(_bucket(blocks_wanted, self.max_blocks)) if context > 0 else []
         new = 0
+        # each shape once, through the path a real batch takes: token 0 at position 0 (every
+        # prompt token at its position), every block of the table the scratch block
         for seqs in seq_sizes:
             for blocks in block_sizes:
-                if (seqs, blocks) in self.buckets:
-                    continue
-                bucket = self.buckets[(seqs, blocks)] = _DecodeBucket(self, seqs, blocks)
-                # token 0 at position 0 of a table of only the scratch block
-                rows = torch.full((seqs, 3 + blocks), scratch, dtype=torch.int64)
-                rows[:, :2] = 0
-                rows[:, 2] = scratch * size
-                bucket(rows)
-                new += 1
+                if (seqs, blocks) not in self.buckets:
+                    self.run([0] * seqs, [0] * seqs, [[scratch] * blocks] * seqs)
+                    new += 1
         longest = self.max_prompt_tokens if max_prompt is None else max_prompt
         top_prompt = self.prompt_bucket_of(min(longest, self.max_prompt_tokens))
         for tokens in _buckets_up_to(top_prompt)[1:] if top_prompt else []:
-            if tokens in self.prompt_buckets:
-                continue
-            prompt = self.prompt_buckets[tokens] = _PromptBucket(self, tokens)
-            # tokens 0 at positions 0.., every one into the scratch block
-            rows = torch.zeros(tokens, 4, dtype=torch.int64)
-            rows[:, 1] = torch.arange(tokens)
-            rows[:, 2] = scratch * size + torch.arange(tokens) % size
-            rows[:, 3] = tokens - 1
-            prompt(rows)
-            new += 1
+            if tokens not in self.prompt_buckets:
+                self.run_prompt([0] * tokens, [scratch] * -(-tokens // size))
+                new += 1
         return new

@@ -177,6 +177,10 @@ def test_one_capture_per_bucket_and_a_replay_per_decode_batch_or_prompt(monkeypa
     assert engine.capture_decode_graphs(max_sequences=4, max_context=16, max_prompt_tokens=8) == 12
     assert (recorder.created, recorder.captured, recorder.replayed) == (12, 12, 12)
     assert engine.free_blocks == free and engine.n_tracked_sequences == 0
+    scratch = graphs.scratch_block
+    for cache in (*engine._cache.keys, *engine._cache.values):  # blocks on dim 1, zeroed at start
+        written = cache.abs().flatten(2).sum(-1).sum(0).nonzero().flatten().tolist()
+        assert written == [scratch]
     assert engine.capture_decode_graphs(4, 16, 8) == 0  # all there
     engine.put([1, 2, 3], [hm.tokens(5, 1), hm.tokens(7, 2), hm.tokens(2, 3)])  # prompts
     assert (recorder.captured, recorder.replayed) == (12, 15)  # one replay per prompt
